@@ -1,0 +1,85 @@
+"""Classic speculative decoding: a smaller same-vocabulary causal LM drafts a chain."""
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import DecodeState, Drafter
+from specdec.model import ModelRunner
+from specdec.tree import DraftTree
+from specdec.verify import SamplingConfig, processed_probs
+
+
+class DraftModelDrafter(Drafter):
+    """Drafts ``k`` tokens one forward at a time with its own preallocated cache.
+
+    Greedy: the draft's argmax (deterministic proposals). Sampling: tokens drawn from the draft's
+    processed distribution ``q``, which is handed to verification so rejection sampling stays exact.
+    The draft cache keeps every committed token it has seen; after verification it rolls back to
+    the accepted prefix, so each step feeds it only the 1-2 tokens it has not seen yet.
+    """
+
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig):
+        self.runner = runner
+        self.sampling = sampling
+        self.generator = torch.Generator(device=runner.device)
+        self.generator.manual_seed((sampling.seed if sampling.seed is not None else torch.seed()) + 7919)
+        self._seen: list[int] = []  # host mirror of the draft cache lengths
+
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
+        b = state.seq.shape[0]
+        self.runner.reset(b, state.seq.shape[1] + 8)
+        self._seen = [0] * b
+        self.vocab = None
+
+    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.sampling.greedy:
+            return logits.argmax(-1), None
+        q = processed_probs(logits, self.sampling)
+        return torch.multinomial(q, 1, generator=self.generator).squeeze(1), q
+
+    def propose(self, state: DecodeState, max_len: int) -> DraftTree:
+        if max_len < 1:
+            return DraftTree.chain(state.roots)
+        b = state.seq.shape[0]
+        dev = state.seq.device
+        # Catch up on committed tokens the draft has not seen (the root, and the previous bonus).
+        todo = [state.seq_lens_host[r] - self._seen[r] for r in range(b)]
+        width = max(todo)
+        idx = torch.tensor(self._seen, device=dev)[:, None] + torch.arange(width, device=dev)
+        pad = torch.arange(width, device=dev)[None] >= torch.tensor(todo, device=dev)[:, None]
+        chunk = state.seq.gather(1, idx.clamp(max=state.seq.shape[1] - 1)).masked_fill(pad, -1)
+        catch_up = DraftTree.chain(chunk[:, 0], chunk[:, 1:])
+        logits, _ = self.runner.forward_tree(catch_up)
+        last = torch.tensor(todo, device=dev) - 1
+        logits = logits[torch.arange(b, device=dev), last]
+        counts = torch.tensor(todo, device=dev)
+        self._commit(torch.arange(width, device=dev).expand(b, width), counts, [s + t for s, t in zip(self._seen, todo)])
+        self.draft_calls += 1
+        tokens, probs = [], []
+        for i in range(max_len):
+            if self.vocab is None:
+                self.vocab = logits.shape[-1]
+            tok, q = self._pick(logits)
+            tokens.append(tok)
+            probs.append(q)
+            if i + 1 < max_len:
+                logits, _ = self.runner.forward_tree(DraftTree.chain(tok))
+                logits = logits[:, 0]
+                self._commit(torch.zeros(b, 1, dtype=torch.int64, device=dev), torch.ones(b, dtype=torch.int64, device=dev),
+                             [s + 1 for s in self._seen])
+                self.draft_calls += 1
+        drafts = torch.stack(tokens, dim=1)
+        q = None if self.sampling.greedy else torch.stack(probs, dim=1)
+        return DraftTree.chain(state.roots, drafts, q)
+
+    def _commit(self, path, counts, seen):
+        self.runner.commit(path, counts, True, max(seen))
+        self._seen = seen
+
+    def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int]) -> None:
+        # Valid draft KV: the committed prefix the draft computed, i.e. up to the last accepted draft
+        # token it has seen. state.seq_lens_host now includes the accepted tokens and the next token.
+        keep = [min(seen, total - 1) for seen, total in zip(self._seen, state.seq_lens_host)]
+        self.runner.rollback(torch.tensor(keep, device=state.seq.device), max(keep))
+        self._seen = keep

@@ -1,0 +1,193 @@
+"""specdec.kernels: engine-agnostic hot-path operators for speculative decoding.
+
+Every operator takes plain torch tensors, documents the shape and dtype of each, and dispatches
+by device to the fastest backend available (see :mod:`specdec.kernels._dispatch`). The pure
+torch references in :mod:`specdec.kernels.reference` are the specification.
+
+Operators:
+
+- :func:`tree_attention`: tree queries over a cached prefix plus the tree (packed ancestor mask).
+- :func:`ngram_match`: batched context n-gram matching, all n at once.
+- :func:`topk_entropy`: top-k probabilities and entropy of a softmax, one pass over V.
+- :func:`kv_compact`: in-place KV-cache compaction of accepted tokens, all layers in one call.
+- :func:`tree_verify_greedy` / :func:`tree_verify_sampling`: acceptance over a draft tree.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.kernels import reference
+from specdec.kernels._dispatch import choose, has_native, native_ops
+from specdec.kernels.reference import pack_mask, sample_from_probs, tree_depth, unpack_mask
+
+__all__ = [
+    "tree_attention",
+    "ngram_match",
+    "topk_entropy",
+    "kv_compact",
+    "tree_verify_greedy",
+    "tree_verify_sampling",
+    "pack_mask",
+    "unpack_mask",
+    "tree_depth",
+    "sample_from_probs",
+    "has_native",
+    "reference",
+]
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    scale: float | None = None,
+    tree_positions: torch.Tensor | None = None,
+    window: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention of ``T`` tree tokens over a cached prefix and over their own ancestors.
+
+    Args:
+        q: ``[B, Hq, T, D]`` queries (fp32/fp16/bf16).
+        k_cache, v_cache: ``[B, Hkv, S, D]`` cached keys/values; row ``b`` is valid up to ``cache_lens[b]``.
+        cache_lens: ``[B]`` int32/int64, ``<= S``.
+        k_tree, v_tree: ``[B, Hkv, T, D]`` keys/values of the tree tokens.
+        tree_mask: ``[B, T, ceil(T/32)]`` int32 packed ancestor mask (bit ``j`` of row ``i``: node ``i``
+            sees node ``j``; every node sees itself), or ``None`` for a causal chain.
+        scale: softmax scale, default ``D ** -0.5``.
+        tree_positions: ``[B, T]`` absolute positions of the tree tokens (only with ``window``).
+        window: sliding-window size (a query at position ``p`` sees keys at positions ``> p - window``).
+    Returns:
+        ``[B, Hq, T, D]``, same dtype as ``q``.
+    """
+    _check(q.dim() == 4 and k_cache.dim() == 4 and k_tree.dim() == 4, "q, k_cache, k_tree must be 4-D")
+    _check(q.shape[1] % k_cache.shape[1] == 0, f"Hq={q.shape[1]} is not a multiple of Hkv={k_cache.shape[1]}")
+    _check(k_tree.shape[2] == q.shape[2], "k_tree must have T positions")
+    choose("tree_attention", q.device, backend, ())
+    return reference.tree_attention(q, k_cache, v_cache, cache_lens, k_tree, v_tree, tree_mask, scale, tree_positions, window)
+
+
+def ngram_match(
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    n_min: int,
+    n_max: int,
+    k: int,
+    w: int,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft continuations of each row's context suffix from its earlier occurrences.
+
+    Args:
+        tokens: ``[B, L]`` int64 token ids; row ``b`` is valid up to ``lengths[b]``.
+        lengths: ``[B]`` int.
+        n_min, n_max: n-gram sizes to try; the longest size with a match wins.
+        k: drafts per row; w: maximum draft length.
+    Returns:
+        drafts ``[B, k, w]`` int64 (-1 padded), draft lengths ``[B, k]`` int32, counts ``[B, k]`` int32.
+        Drafts are ranked by how often the continuation occurred, ties by recency.
+    """
+    _check(tokens.dim() == 2 and lengths.dim() == 1 and lengths.shape[0] == tokens.shape[0], "tokens [B,L], lengths [B]")
+    _check(k >= 1 and w >= 1, "k and w must be >= 1")
+    choose("ngram_match", tokens.device, backend, ())
+    return reference.ngram_match(tokens, lengths, n_min, n_max, k, w)
+
+
+def topk_entropy(
+    logits: torch.Tensor, k: int, temperature: float = 1.0, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k of ``softmax(logits / temperature)`` with its entropy and log-partition.
+
+    Args:
+        logits: ``[N, V]`` float.
+        k: number of top entries (``<= V``); temperature: ``> 0``.
+    Returns:
+        probs ``[N, k]`` fp32 (descending), ids ``[N, k]`` int64, entropy ``[N]`` fp32 (nats),
+        logsumexp ``[N]`` fp32 of ``logits / temperature``.
+    """
+    _check(logits.dim() == 2, "logits must be [N, V]")
+    _check(1 <= k <= logits.shape[1], f"k must be in [1, V], got {k}")
+    choose("topk_entropy", logits.device, backend, ())
+    return reference.topk_entropy(logits, k, temperature)
+
+
+def kv_compact(
+    caches: list[torch.Tensor],
+    src: torch.Tensor,
+    dst_start: torch.Tensor,
+    counts: torch.Tensor,
+    backend: str | None = None,
+) -> None:
+    """Copy accepted KV entries into place in every layer's cache, in place, in one call.
+
+    Args:
+        caches: list of ``[B, H, S, D]`` tensors (all layers' keys and values; same B and S).
+        src: ``[B, n]`` int64 source positions, ascending per row, ``src[b, j] >= dst_start[b] + j``.
+        dst_start: ``[B]`` int64 first destination position of each row.
+        counts: ``[B]`` int64, ``<= n``: row ``b`` moves ``src[b, :counts[b]]``.
+    """
+    _check(src.dim() == 2 and dst_start.dim() == 1 and counts.dim() == 1, "src [B,n], dst_start [B], counts [B]")
+    if not caches or src.numel() == 0:
+        return
+    if choose("kv_compact", caches[0].device, backend, ("cpu",)) == "native":
+        native_ops().kv_compact(caches, src.long(), dst_start.long(), counts.long())
+    else:
+        reference.kv_compact(caches, src, dst_start, counts)
+
+
+def tree_verify_greedy(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_logits: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance: the deepest root-to-node path whose tokens equal the target's argmax.
+
+    Args:
+        tokens: ``[B, T]`` int64, node 0 the root (last committed token).
+        parents: ``[B, T]`` int64, ``-1`` at the root; parents precede children.
+        target_logits: ``[B, T, V]`` float, the target's logits at every node.
+        valid: ``[B, T]`` bool, False for padding nodes.
+    Returns:
+        path ``[B, T]`` int64 (accepted node indices from the root, -1 padded), length ``[B]``
+        int32 (root included), next token ``[B]`` int64.
+    """
+    _check(tokens.shape == parents.shape and target_logits.shape[:2] == tokens.shape, "tokens/parents [B,T], logits [B,T,V]")
+    choose("tree_verify", tokens.device, backend, ())
+    return reference.tree_verify_greedy(tokens, parents, target_logits, valid)
+
+
+def tree_verify_sampling(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    uniforms: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lossless sampling acceptance (recursive rejection sampling) over a draft tree.
+
+    Args:
+        tokens, parents, valid: as in :func:`tree_verify_greedy`.
+        target_probs: ``[B, T, V]`` float, the target's processed distribution at every node.
+        draft_probs: ``[B, T, V]`` float, the distribution node ``i`` was drawn from, or None
+            (deterministic drafts: one-hot proposals).
+        uniforms: ``[B, T + 1]`` uniform [0, 1) draws (one per node, the last for the final sample).
+    Returns:
+        path ``[B, T]`` int64, length ``[B]`` int32, next token ``[B]`` int64.
+    """
+    _check(tokens.shape == parents.shape and target_probs.shape[:2] == tokens.shape, "tokens/parents [B,T], probs [B,T,V]")
+    _check(uniforms.shape == (tokens.shape[0], tokens.shape[1] + 1), "uniforms must be [B, T+1]")
+    choose("tree_verify", tokens.device, backend, ())
+    return reference.tree_verify_sampling(tokens, parents, target_probs, draft_probs, uniforms, valid)

@@ -1,0 +1,342 @@
+"""Pure-torch reference implementations of the specdec operators.
+
+These functions are the specification: every faster backend (C++, Triton, CUDA) is tested
+against them. They favour clarity over speed, but stay vectorised (no Python loops over
+tokens or vocabulary) so they are usable as a fallback on any device.
+"""
+from __future__ import annotations
+
+import torch
+
+# ----------------------------------------------------------------------------------------
+# Packed ancestor masks
+# ----------------------------------------------------------------------------------------
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a boolean mask along its last dimension into int32 words (bit j of word w = column 32*w + j).
+
+    mask: ``[..., T] bool`` -> ``[..., ceil(T/32)] int32``
+    """
+    t = mask.shape[-1]
+    words = (t + 31) // 32
+    pad = words * 32 - t
+    if pad:
+        mask = torch.nn.functional.pad(mask, (0, pad))
+    bits = mask.reshape(*mask.shape[:-1], words, 32).to(torch.int64)
+    weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(32, device=mask.device)
+    packed = (bits * weights).sum(-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # two's-complement wrap into int32
+    return packed.to(torch.int32)
+
+
+def unpack_mask(packed: torch.Tensor, t: int) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`. packed: ``[..., W] int32`` -> ``[..., t] bool``."""
+    shifts = torch.arange(32, device=packed.device, dtype=torch.int32)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(*packed.shape[:-1], -1)[..., :t].bool()
+
+
+# ----------------------------------------------------------------------------------------
+# Tree attention
+# ----------------------------------------------------------------------------------------
+
+
+def tree_attention_mask(
+    cache_lens: torch.Tensor,
+    prefix_len: int,
+    tree_mask: torch.Tensor | None,
+    t: int,
+    tree_positions: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Dense boolean visibility mask over ``[prefix | tree]`` keys.
+
+    cache_lens: ``[B] int`` valid prefix length of each row (<= prefix_len);
+    tree_mask: ``[B,T,ceil(T/32)] int32`` packed ancestor mask, or None for a causal chain;
+    tree_positions: ``[B,T] int`` absolute positions of the tree tokens (needed only with ``window``);
+    window: sliding-window size: a query at position p sees keys at positions > p - window.
+    Returns ``[B,1,T,prefix_len+T] bool`` (True = visible).
+    """
+    b = cache_lens.shape[0]
+    dev = cache_lens.device
+    kpos = torch.arange(prefix_len, device=dev)
+    prefix_vis = (kpos[None, :] < cache_lens[:, None]).unsqueeze(1).expand(b, t, prefix_len)
+    if tree_mask is None:
+        tree_vis = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
+    else:
+        tree_vis = unpack_mask(tree_mask, t)
+    if window is not None:
+        if tree_positions is None:
+            raise ValueError("tree_positions are required with a sliding window")
+        qpos = tree_positions  # [B,T]
+        prefix_vis = prefix_vis & (kpos[None, None, :] > (qpos[:, :, None] - window))
+        tree_vis = tree_vis & (tree_positions[:, None, :] > (qpos[:, :, None] - window))
+    return torch.cat([prefix_vis, tree_vis], dim=-1).unsqueeze(1)
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    scale: float | None = None,
+    tree_positions: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of tree queries over a cached prefix plus the tree itself.
+
+    q: ``[B,Hq,T,D]``; k_cache/v_cache: ``[B,Hkv,S,D]`` of which the first ``cache_lens[b]``
+    positions are valid; k_tree/v_tree: ``[B,Hkv,T,D]``; tree_mask: ``[B,T,ceil(T/32)] int32``
+    packed ancestor mask (bit j of row i set iff node j is node i or one of its ancestors) or None
+    for a causal chain. ``Hq`` must be a multiple of ``Hkv`` (GQA). Returns ``[B,Hq,T,D]``.
+    """
+    t = q.shape[2]
+    mask = tree_attention_mask(cache_lens, k_cache.shape[2], tree_mask, t, tree_positions, window)
+    k = torch.cat([k_cache, k_tree], dim=2)
+    v = torch.cat([v_cache, v_tree], dim=2)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# N-gram context matching
+# ----------------------------------------------------------------------------------------
+
+
+def ngram_match(
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    n_min: int,
+    n_max: int,
+    k: int,
+    w: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Propose up to ``k`` continuations of length ``<= w`` from earlier occurrences of the context suffix.
+
+    For each row, the longest ``n`` in ``[n_min, n_max]`` whose suffix n-gram ``tokens[L-n:L]``
+    occurs earlier (at a start ``p`` with ``p + n < L``) wins. The continuations
+    ``tokens[p+n : min(p+n+w, L)]`` of all its occurrences are grouped by exact content and ranked
+    by count (descending), ties by recency (latest occurrence first).
+
+    tokens: ``[B,L] int64`` (row b valid up to ``lengths[b]``); lengths: ``[B] int``.
+    Returns drafts ``[B,k,w] int64`` (-1 padded), draft lengths ``[B,k] int32`` and counts
+    ``[B,k] int32`` (0 for empty slots).
+    """
+    if n_min < 1 or n_max < n_min:
+        raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+    b, _ = tokens.shape
+    dev = tokens.device
+    drafts = torch.full((b, k, w), -1, dtype=torch.int64, device=dev)
+    dlens = torch.zeros(b, k, dtype=torch.int32, device=dev)
+    counts = torch.zeros(b, k, dtype=torch.int32, device=dev)
+    for row in range(b):  # rows are independent; the reference keeps them simple
+        length = int(lengths[row])
+        seq = tokens[row, :length]
+        for n in range(min(n_max, length - 1), n_min - 1, -1):
+            windows = seq.unfold(0, n, 1)[: length - n]  # starts p in [0, L-n-1]: p + n < L
+            hits = (windows == seq[length - n:]).all(-1).nonzero().flatten()
+            if hits.numel() == 0:
+                continue
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for p in hits.tolist():
+                cont = tuple(seq[p + n: min(p + n + w, length)].tolist())
+                groups.setdefault(cont, []).append(p)
+            ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), -max(kv[1])))[:k]
+            for slot, (cont, ps) in enumerate(ranked):
+                drafts[row, slot, : len(cont)] = torch.tensor(cont, device=dev)
+                dlens[row, slot] = len(cont)
+                counts[row, slot] = len(ps)
+            break
+    return drafts, dlens, counts
+
+
+# ----------------------------------------------------------------------------------------
+# Fused top-k + entropy
+# ----------------------------------------------------------------------------------------
+
+
+def topk_entropy(
+    logits: torch.Tensor, k: int, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k probabilities, their ids, the entropy and the log-partition of ``softmax(logits / T)``.
+
+    logits: ``[N,V]`` float (any float dtype; computed in fp32).
+    Returns probs ``[N,k] fp32`` (descending), ids ``[N,k] int64``, entropy ``[N] fp32`` (nats),
+    logsumexp ``[N] fp32`` of ``logits / T``.
+    """
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0")
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    logp = x - lse[:, None]
+    p = logp.exp()
+    entropy = -(p * logp).nan_to_num(0.0).sum(-1)
+    top_logp, ids = logp.topk(k, dim=-1)
+    return top_logp.exp(), ids, entropy, lse
+
+
+# ----------------------------------------------------------------------------------------
+# In-place KV-cache compaction
+# ----------------------------------------------------------------------------------------
+
+
+def kv_compact(
+    caches: list[torch.Tensor],
+    src: torch.Tensor,
+    dst_start: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """Move accepted KV entries into place, in every cache tensor, in place.
+
+    caches: list of ``[B,H,S,D]`` tensors (every layer's keys and values);
+    src: ``[B,n] int`` source positions, ascending per row, ``src[b,j] >= dst_start[b] + j``;
+    dst_start: ``[B] int``; counts: ``[B] int`` (<= n): row b moves ``src[b,:counts[b]]`` to
+    ``dst_start[b] + [0, counts[b])``. Because sources never precede their destination and are
+    ascending, a forward element-by-element copy is safe; this reference gathers first.
+    """
+    if src.numel() == 0:
+        return
+    b, n = src.shape
+    j = torch.arange(n, device=src.device)
+    valid = j[None, :] < counts[:, None]
+    dst = dst_start[:, None] + j[None, :]
+    rows = torch.arange(b, device=src.device)[:, None].expand(b, n)[valid]
+    s, d = src[valid].long(), dst[valid].long()
+    for cache in caches:
+        cache[rows, :, d] = cache[rows, :, s]
+
+
+# ----------------------------------------------------------------------------------------
+# Tree verification
+# ----------------------------------------------------------------------------------------
+
+
+def tree_depth(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of every node (root = 0) by pointer jumping. parents: ``[B,T]`` (-1 at the root) -> ``[B,T] int64``."""
+    t = parents.shape[1]
+    anc = parents.clamp(min=0)
+    dist = (parents >= 0).long()
+    for _ in range(max(1, (t - 1).bit_length())):
+        dist = dist + dist.gather(1, anc)
+        anc = anc.gather(1, anc)
+    return dist
+
+
+def _path_to(last: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Root-to-``last`` node path ``[B,T] int64`` (-1 padded) and its length ``[B] int32``."""
+    b, t = parents.shape
+    length = depth.gather(1, last[:, None]).squeeze(1) + 1
+    path = torch.full((b, t), -1, dtype=torch.int64, device=parents.device)
+    node = last.clone()
+    for i in range(int(length.max())):
+        alive = i < length
+        pos = (length - 1 - i).clamp(min=0)[:, None]
+        path.scatter_(1, pos, torch.where(alive, node, path.gather(1, pos).squeeze(1))[:, None])
+        node = torch.where(alive, parents.gather(1, node[:, None]).squeeze(1).clamp(min=0), node)
+    return path, length.to(torch.int32)
+
+
+def tree_verify_greedy(
+    tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance over a draft tree.
+
+    tokens: ``[B,T] int64`` (node 0 = root = last committed token); parents: ``[B,T] int64``
+    (``parents[:,0] = -1``, every parent precedes its children); target_logits: ``[B,T,V]``;
+    valid: ``[B,T] bool`` (padding nodes False). A node is accepted iff its parent is accepted and
+    its token equals the target's argmax at the parent. Returns the accepted path ``[B,T] int64``
+    (node indices from the root, -1 padded), its length ``[B] int32`` (root included) and the next
+    token ``[B] int64`` (target argmax at the path's last node).
+    """
+    b, t = tokens.shape
+    pred = target_logits.argmax(-1)
+    ok = torch.ones(b, t, dtype=torch.bool, device=tokens.device)
+    ok[:, 1:] = tokens[:, 1:] == pred.gather(1, parents[:, 1:].clamp(min=0))
+    if valid is not None:
+        ok &= valid
+    # accepted[i] = ok[i] and accepted[parent[i]], by pointer jumping over the ancestors.
+    anc = parents.clamp(min=0)
+    acc = ok.clone()
+    for _ in range(max(1, (t - 1).bit_length())):
+        acc = acc & acc.gather(1, anc)
+        anc = anc.gather(1, anc)
+    depth = tree_depth(parents)
+    score = torch.where(acc, depth * t + (t - 1 - torch.arange(t, device=tokens.device)), -1)
+    last = score.argmax(-1)  # deepest accepted node; ties -> lowest index
+    path, length = _path_to(last, parents, depth)
+    return path, length, pred.gather(1, last[:, None]).squeeze(1)
+
+
+def tree_verify_sampling(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    uniforms: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lossless acceptance over a draft tree by recursive rejection sampling.
+
+    Children of the current node are tried in index order. Child ``c`` (token ``x``, proposed from
+    ``q = draft_probs[:,c]``, or one-hot at ``x`` when ``draft_probs`` is None or its row is all
+    zero) is accepted with probability ``min(1, p(x)/q(x))``; on acceptance the walk moves to ``c``
+    and ``p`` becomes the target distribution at ``c``, on rejection ``p <- norm(max(p - q, 0))``.
+    When no child is left, the next token is sampled from ``p``. With one child per node this is
+    Leviathan et al.'s chain rule; with siblings drawn i.i.d. from one ``q`` (or deterministic,
+    distinct tokens) it is SpecInfer's multi-draft rule. Either way the output follows the target.
+
+    tokens, parents: ``[B,T] int64`` as in :func:`tree_verify_greedy`; target_probs: ``[B,T,V]``
+    float (the target's processed next-token distribution at every node); draft_probs:
+    ``[B,T,V]`` or None; uniforms: ``[B,T+1]`` in [0,1) (one per node, the last for the final
+    sample); valid: ``[B,T] bool``. Returns path ``[B,T] int64``, length ``[B] int32``, next token
+    ``[B] int64``.
+    """
+    b, t = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(b, device=dev)
+    current = torch.zeros(b, dtype=torch.int64, device=dev)
+    p = target_probs[:, 0].float().clone()
+    path = torch.full((b, t), -1, dtype=torch.int64, device=dev)
+    path[:, 0] = 0
+    length = torch.ones(b, dtype=torch.int64, device=dev)
+    for i in range(1, t):
+        consider = parents[:, i] == current
+        if valid is not None:
+            consider &= valid[:, i]
+        x = tokens[:, i]
+        onehot = torch.nn.functional.one_hot(x.clamp(min=0), p.shape[-1]).float()
+        if draft_probs is None:
+            q = onehot
+        else:
+            q = draft_probs[:, i].float()
+            q = torch.where((q.sum(-1) > 0)[:, None], q, onehot)
+        px, qx = p[rows, x], q[rows, x]
+        accept = consider & (uniforms[:, i] * qx < px)
+        reject = consider & ~accept
+        residual = (p - q).clamp(min=0)
+        total = residual.sum(-1, keepdim=True)
+        # A rejection has probability zero when the residual is empty; keep p then (numerical guard).
+        residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p)
+        p = torch.where(reject[:, None], residual, p)
+        p = torch.where(accept[:, None], target_probs[:, i].float(), p)
+        path.scatter_(1, length[:, None], torch.where(accept, i, path.gather(1, length[:, None]).squeeze(1))[:, None])
+        length = length + accept.long()
+        current = torch.where(accept, i, current)
+    next_token = sample_from_probs(p, uniforms[:, t])
+    return path, length.to(torch.int32), next_token
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample. probs: ``[B,V]`` (need not be normalised), u: ``[B]`` in [0,1) -> ``[B] int64``."""
+    cdf = probs.float().cumsum(-1)
+    target = (u.float() * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # Rounding at the top end can overshoot; fall back to the last token with mass (no host sync).
+    positive = probs > 0
+    last_nonzero = probs.shape[-1] - 1 - positive.flip(-1).int().argmax(-1)
+    return torch.minimum(idx, last_nonzero)

@@ -1,0 +1,235 @@
+"""The model runner: a transformers causal LM with a preallocated KV cache and tree verification.
+
+Nothing of the model is forked: tree attention is plugged in through transformers'
+``AttentionInterface`` (an attention function named ``"specdec"``) and a ``Cache`` subclass that
+writes into preallocated buffers. Per-step metadata (committed lengths, the tree's ancestor
+mask and positions) reaches the attention function as a forward kwarg.
+
+Layout of the cache, per row ``b``: positions ``[0, lengths[b])`` hold committed tokens. A forward
+writes its ``T`` tokens at the common offset ``write_pos = max(lengths)``; :meth:`ModelRunner.commit`
+then moves the accepted nodes to ``lengths[b] ...`` with one KV-compaction call over all layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from specdec import kernels
+from specdec.kernels.reference import tree_attention_mask
+from specdec.tree import DraftTree
+
+ATTN_IMPL = "specdec"
+
+
+@dataclass
+class TreeAttentionMeta:
+    """What the attention function needs for one forward.
+
+    cache_lens: ``[B]`` committed lengths; prefix_len: write offset (keys before it are the prefix);
+    tree_mask: packed ``[B,T,W]`` or None (causal); positions: ``[B,T]`` absolute positions.
+    Dense masks are built once per forward and per window size, then shared by all layers.
+    """
+
+    cache_lens: torch.Tensor
+    prefix_len: int
+    tree_mask: torch.Tensor | None
+    positions: torch.Tensor
+    _dense: dict = field(default_factory=dict)
+
+    def dense(self, window: int | None) -> torch.Tensor:
+        if window not in self._dense:
+            t = self.positions.shape[1]
+            self._dense[window] = tree_attention_mask(
+                self.cache_lens, self.prefix_len, self.tree_mask, t, self.positions, window)
+        return self._dense[window]
+
+
+def specdec_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention function registered as ``"specdec"``: tree attention when a ``specdec_meta`` kwarg
+    is present, transformers' SDPA path otherwise (so ``model.generate`` keeps working).
+
+    query: ``[B,Hq,T,D]``; key/value: ``[B,Hkv,prefix_len+T,D]`` (cache view). Returns ``[B,T,Hq,D]``.
+    """
+    meta: TreeAttentionMeta | None = kwargs.get("specdec_meta")
+    if meta is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    window = kwargs.get("sliding_window")
+    mask = meta.dense(window)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPL, specdec_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPL, sdpa_mask)
+
+
+class _PreallocatedLayer(CacheLayerMixin):
+    """One layer's keys/values in a ``[B,H,capacity,D]`` buffer, written at the owner's ``write_pos``."""
+
+    def __init__(self, owner: "PreallocatedCache", layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states, value_states):
+        self.keys, self.values = self.owner.allocate(self.layer_idx, key_states)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.owner.write_pos
+        end = start + key_states.shape[2]
+        self.keys[:, :, start:end].copy_(key_states)
+        self.values[:, :, start:end].copy_(value_states)
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length):
+        return self.owner.write_pos + query_length, 0
+
+    def get_seq_length(self):
+        return self.owner.write_pos
+
+    def get_max_length(self):
+        return self.owner.capacity
+
+
+class PreallocatedCache(Cache):
+    """A transformers ``Cache`` over preallocated buffers with per-row committed ``lengths [B]``."""
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, device: torch.device, pool: dict):
+        super().__init__(layers=[_PreallocatedLayer(self, i) for i in range(num_layers)])
+        self.capacity = capacity
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.write_pos = 0  # host mirror of max(lengths): where the next forward writes
+        self.pool = pool
+
+    def allocate(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B,H,capacity,D]`` key and value buffers for one layer, reused across generations.
+
+        Buffers are zero-filled when first made: masked-out slots are multiplied by a zero weight,
+        and uninitialised memory could hold NaN, which would poison that product.
+        """
+        b, h, _, d = like.shape
+        old = self.pool.get(layer_idx)
+        if old is not None:
+            k, v = old
+            if (k.shape[0], k.shape[1], k.shape[3]) == (b, h, d) and k.shape[2] >= self.capacity \
+                    and k.dtype == like.dtype and k.device == like.device:
+                return k, v
+        shape = (b, h, self.capacity, d)
+        k = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        v = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.pool[layer_idx] = (k, v)
+        return k, v
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every initialised layer's key and value buffers."""
+        out = []
+        for layer in self.layers:
+            if layer.is_initialized:
+                out += [layer.keys, layer.values]
+        return out
+
+
+class ModelRunner:
+    """Runs a causal LM over draft trees with a preallocated cache.
+
+    State: ``lengths [B]`` committed KV per row. The caller keeps the tokens; the runner keeps KV.
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        if not getattr(model.config, "is_decoder", True) and model.config.is_encoder_decoder:
+            raise ValueError("specdec supports decoder-only models")
+        if model.config._attn_implementation != ATTN_IMPL:
+            model.set_attn_implementation(ATTN_IMPL)
+        self.model = model
+        self.config = model.config.get_text_config()
+        self.max_positions = getattr(self.config, "max_position_embeddings", None) or 2**31
+        self.device = model.device
+        self._pool: dict = {}
+        self.reset(1, 0)
+
+    def reset(self, batch_size: int, capacity: int) -> None:
+        """Drop all state: ``batch_size`` empty rows with room for ``capacity`` positions each."""
+        self.batch_size = batch_size
+        self.cache = PreallocatedCache(self.config.num_hidden_layers, batch_size, capacity, self.device, self._pool)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cache.lengths
+
+    def _run(self, input_ids, positions, tree_mask, logits_to_keep=0, return_hidden=False):
+        t = input_ids.shape[1]
+        if self.cache.write_pos + t > self.cache.capacity:
+            raise ValueError(f"{self.cache.write_pos + t} positions exceed the cache capacity {self.cache.capacity}")
+        meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=self.cache,
+            attention_mask=meta.dense(None),  # a 4-D mask makes transformers skip its own mask building
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            output_hidden_states=return_hidden,
+            specdec_meta=meta,
+        )
+        hidden = out.hidden_states[-1] if return_hidden else None
+        return out.logits, hidden
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor, return_hidden: bool = False):
+        """Encode right-padded prompts. input_ids: ``[B,L]``; prompt_lens: ``[B]``.
+
+        Commits every prompt token's KV. Returns logits ``[B,V]`` at each row's last prompt token
+        (and that position's last hidden state ``[B,H]`` when asked).
+        """
+        b, l = input_ids.shape
+        if b != self.batch_size:
+            raise ValueError(f"prefill of {b} rows on a runner reset for {self.batch_size}")
+        positions = torch.arange(l, device=self.device).expand(b, l)
+        last = prompt_lens - 1
+        logits, hidden = self._run(input_ids, positions, None, logits_to_keep=last if b > 1 else 1, return_hidden=return_hidden)
+        rows = torch.arange(b, device=self.device)
+        logits = logits[rows, rows] if b > 1 else logits[:, -1]
+        if hidden is not None:
+            hidden = hidden[rows, last]
+        self.cache.lengths.copy_(prompt_lens)
+        self.cache.write_pos = int(prompt_lens.max())
+        return logits, hidden
+
+    @torch.inference_mode()
+    def forward_tree(self, tree: DraftTree, return_hidden: bool = False):
+        """Run the target over a draft tree. Returns logits ``[B,T,V]`` (and hidden ``[B,T,H]``).
+
+        The tree's KV is written at ``write_pos``; call :meth:`commit` with the accepted path.
+        """
+        positions = tree.positions(self.cache.lengths)
+        return self._run(tree.tokens, positions, tree.mask, return_hidden=return_hidden)
+
+    @torch.inference_mode()
+    def commit(self, path: torch.Tensor, path_len: torch.Tensor, is_chain: bool, new_write_pos: int) -> None:
+        """Keep the accepted nodes' KV. path: ``[B,T]`` node indices (-1 padded); path_len: ``[B]``.
+
+        ``new_write_pos`` is ``max(lengths + path_len)``, which the caller already has on the host.
+        For chains written where every row's committed KV ends (batch rows of equal length), the
+        accepted prefix is already in place and nothing moves.
+        """
+        rows_aligned = self.batch_size == 1 or bool((self.cache.lengths == self.cache.write_pos).all())
+        if not (is_chain and rows_aligned):
+            src = self.cache.write_pos + path.clamp(min=0)
+            kernels.kv_compact(self.cache.buffers(), src, self.cache.lengths, path_len.long())
+        self.cache.lengths += path_len.long()
+        self.cache.write_pos = new_write_pos
+
+    @torch.inference_mode()
+    def rollback(self, lengths: torch.Tensor, write_pos: int) -> None:
+        """Forget KV past ``lengths [B]`` (no data moves). ``write_pos`` = ``max(lengths)``."""
+        self.cache.lengths.copy_(torch.minimum(self.cache.lengths, lengths))
+        self.cache.write_pos = write_pos

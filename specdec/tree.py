@@ -1,0 +1,147 @@
+"""The draft tree: what one verification pass of the target sees.
+
+A tree holds, per batch row, ``T`` nodes: node 0 is the root (the last committed token, whose KV
+is not cached yet) and every other node is a draft token whose parent precedes it. Rows with
+fewer nodes are padded with invalid nodes that no valid node can see. Everything the target
+needs is derived once here: depths (position offsets), the packed ancestor mask, validity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.kernels import pack_mask, tree_depth
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees.
+
+    tokens: ``[B,T] int64``; parents: ``[B,T] int64`` (-1 at the root); valid: ``[B,T] bool``;
+    depth: ``[B,T] int64``; mask: ``[B,T,ceil(T/32)] int32`` packed ancestor mask (self included),
+    or None when every row is a chain (causal); draft_probs: ``[B,T,V]`` float proposal
+    distributions (None for deterministic drafts; the root's row is unused).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    valid: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor | None
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of node slots T (including padding)."""
+        return self.tokens.shape[1]
+
+    @property
+    def is_chain(self) -> bool:
+        return self.mask is None
+
+    @property
+    def num_drafted(self) -> torch.Tensor:
+        """``[B] int64`` valid draft nodes per row (root excluded)."""
+        return self.valid[:, 1:].sum(-1)
+
+    @classmethod
+    def chain(cls, root: torch.Tensor, drafts: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None) -> "DraftTree":
+        """One chain per row. root: ``[B]``; drafts: ``[B,k]`` int64, -1 padded at the end (or None).
+
+        draft_probs: ``[B,k,V]`` distributions the drafts were sampled from, or None.
+        """
+        b = root.shape[0]
+        dev = root.device
+        if drafts is None:
+            drafts = torch.empty(b, 0, dtype=torch.int64, device=dev)
+        t = drafts.shape[1] + 1
+        tokens = torch.cat([root[:, None], drafts.clamp(min=0)], dim=1)
+        valid = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev), drafts >= 0], dim=1)
+        valid = valid.cumprod(dim=1).bool()  # a chain ends at its first padding
+        ar = torch.arange(t, device=dev)
+        parents = (ar - 1).expand(b, t).clone()
+        depth = ar.expand(b, t).clone()
+        probs = None
+        if draft_probs is not None:
+            probs = torch.cat([torch.zeros_like(draft_probs[:, :1]), draft_probs], dim=1)
+        return cls(tokens, parents, valid, depth, None, probs)
+
+    @classmethod
+    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | None = None,
+                     draft_probs: torch.Tensor | None = None) -> "DraftTree":
+        """A general tree. tokens, parents: ``[B,T] int64`` (parents[:,0] = -1, parents[i] < i)."""
+        b, t = tokens.shape
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=tokens.device)
+        if t > 1 and bool((parents[:, 1:] >= torch.arange(1, t, device=tokens.device)).any()):
+            raise ValueError("every parent must precede its child")
+        return cls(tokens, parents, valid, tree_depth(parents), ancestor_mask(parents, valid), draft_probs)
+
+    @classmethod
+    def from_chains(cls, root: torch.Tensor, chains: list[list[list[int]]]) -> "DraftTree":
+        """Merge several chains per row into a trie (shared prefixes become shared nodes).
+
+        root: ``[B]``; chains: for each row, a list of token lists. Node order is insertion order,
+        so a chain listed first keeps the lowest indices (verification tries siblings in index order).
+        """
+        b = root.shape[0]
+        rows_tokens, rows_parents = [], []
+        for r in range(b):
+            toks, pars = [int(root[r])], [-1]
+            children: dict[tuple[int, int], int] = {}
+            for chain in chains[r]:
+                node = 0
+                for tok in chain:
+                    key = (node, int(tok))
+                    if key not in children:
+                        children[key] = len(toks)
+                        toks.append(int(tok))
+                        pars.append(node)
+                    node = children[key]
+            rows_tokens.append(toks)
+            rows_parents.append(pars)
+        t = max(len(x) for x in rows_tokens)
+        tokens = torch.zeros(b, t, dtype=torch.int64)
+        parents = torch.zeros(b, t, dtype=torch.int64)
+        valid = torch.zeros(b, t, dtype=torch.bool)
+        for r in range(b):
+            n = len(rows_tokens[r])
+            tokens[r, :n] = torch.tensor(rows_tokens[r])
+            parents[r, :n] = torch.tensor(rows_parents[r])
+            valid[r, :n] = True
+        dev = root.device
+        return cls.from_parents(tokens.to(dev), parents.to(dev), valid.to(dev))
+
+    def positions(self, cache_lens: torch.Tensor) -> torch.Tensor:
+        """Absolute positions ``[B,T]`` of the nodes, given committed lengths ``[B]``."""
+        return cache_lens[:, None] + self.depth
+
+    def dense_mask(self) -> torch.Tensor:
+        """``[B,T,T] bool`` ancestor-or-self visibility (causal for chains)."""
+        t = self.size
+        if self.mask is None:
+            return torch.ones(t, t, dtype=torch.bool, device=self.tokens.device).tril().expand(self.tokens.shape[0], t, t)
+        from specdec.kernels import unpack_mask
+
+        return unpack_mask(self.mask, t)
+
+
+def ancestor_mask(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Packed ancestor-or-self mask ``[B,T,ceil(T/32)] int32`` from parents ``[B,T]``.
+
+    Computed by transitive closure with boolean matrix squaring (log2 T batched matmuls), so no
+    Python loop over nodes. Invalid nodes are visible to nobody but themselves.
+    """
+    b, t = parents.shape
+    dev = parents.device
+    eye = torch.eye(t, dtype=torch.bool, device=dev).expand(b, t, t)
+    reach = eye.clone()
+    has_parent = parents >= 0
+    reach[torch.arange(b, device=dev)[:, None].expand(b, t)[has_parent],
+          torch.arange(t, device=dev)[None].expand(b, t)[has_parent],
+          parents[has_parent]] = True
+    for _ in range(max(1, (t - 1).bit_length())):
+        reach = reach | (torch.bmm(reach.float(), reach.float()) > 0)
+    reach = reach & (valid[:, None, :] | eye)
+    return pack_mask(reach)
