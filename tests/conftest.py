@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random-initialised causal LMs of several architectures."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(arch: str, vocab: int = 96, seed: int = 0, std: float = 0.3):
+    """A small random model whose greedy decoding is decisive (wide logit gaps) and repetitive."""
+    common = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=0, initializer_range=std)
+    if arch == "llama":
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=512, **common)
+        cls = LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=1, max_position_embeddings=512, **common)
+        cls = Qwen2ForCausalLM
+    elif arch == "gemma3":
+        # A sliding window shorter than the prompts, so windowed tree attention is exercised.
+        cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=512,
+                               layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common)
+        cls = Gemma3ForCausalLM
+    elif arch == "gpt2":
+        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
+        cls = GPT2LMHeadModel
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = 1
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request):
+    return request.param

@@ -1,0 +1,92 @@
+"""Greedy output of every method equals transformers' generate, token for token (fp32)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdec.api import SpecDecoder, hf_generate
+from specdec.verify import SamplingConfig
+from tests.conftest import tiny_model
+
+GREEDY = SamplingConfig()
+
+
+def perturbed(model, scale: float, seed: int = 0):
+    """A copy of ``model`` with noisy output weights: a draft that agrees with it part of the time."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = draft.get_output_embeddings().weight
+        w.add_(torch.randn(w.shape, generator=g) * scale * w.std())
+    return draft
+
+
+def prompt_of(n: int, seed: int = 0, vocab: int = 96) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n,), generator=g).tolist()
+
+
+def decoder(arch: str, draft_kind: str = "noisy") -> SpecDecoder:
+    target = tiny_model(arch)
+    draft = {"self": target, "noisy": perturbed(target, 0.6), "other": tiny_model(arch, seed=1)}[draft_kind]
+    return SpecDecoder(target, draft=draft)
+
+
+@pytest.mark.parametrize("method,opts", [("ar", {}), ("pld", {}), ("pld", {"num_tokens": 3, "n_min": 1, "n_max": 1}),
+                                         ("sd", {"draft_length": 4}), ("sd", {"draft_length": 3, "schedule": "heuristic"})])
+@pytest.mark.parametrize("plen", [1, 6, 45])
+def test_methods_match_transformers(arch, method, opts, plen):
+    dec = decoder(arch)
+    prompt = prompt_of(plen, seed=plen)
+    for max_new in (1, 7, 40):  # 7 with draft length 4 cuts a draft in the middle
+        ref = hf_generate(dec.model, prompt, max_new, GREEDY)
+        out = dec.generate_ids([prompt], method, max_new, GREEDY, **dict(opts))
+        assert out.tokens[0] == ref, (method, max_new)
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "noisy", "other"])
+def test_sd_acceptance_regimes(arch, draft_kind):
+    """Full, partial and near-zero acceptance all stay lossless; a perfect draft is fully accepted."""
+    dec = decoder(arch, draft_kind)
+    prompt = prompt_of(12, seed=4)
+    ref = hf_generate(dec.model, prompt, 30, GREEDY)
+    out = dec.generate_ids([prompt], "sd", 30, GREEDY, draft_length=5)
+    assert out.tokens[0] == ref
+    if draft_kind == "self":
+        assert out.stats.accepted_tokens == out.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["pld", "sd"])
+def test_stops_at_eos_inside_a_draft(arch, method):
+    """EOS set to a token the target emits mid-way: output ends there, as transformers' does."""
+    dec = decoder(arch, "self")
+    prompt = prompt_of(10, seed=7)
+    free = hf_generate(dec.model, prompt, 30, GREEDY, eos_token_id=None)
+    eos = free[12]
+    ref = hf_generate(dec.model, prompt, 30, GREEDY, eos_token_id=eos)
+    dec.eos = {eos}
+    out = dec.generate_ids([prompt], method, 30, GREEDY, **({"draft_length": 6} if method == "sd" else {}))
+    assert out.tokens[0] == ref
+    assert out.tokens[0][-1] == eos and len(ref) <= 13
+
+
+def test_repetitive_context_is_accepted_by_pld():
+    """pld drafts get accepted where the target repeats itself (gemma3 tiny model loops)."""
+    dec = decoder("gemma3")
+    prompt = prompt_of(8, seed=1)
+    ref = hf_generate(dec.model, prompt, 40, GREEDY)
+    out = dec.generate_ids([prompt], "pld", 40, GREEDY)
+    assert out.tokens[0] == ref
+    assert out.stats.accepted_tokens > 0 and out.stats.target_calls < len(ref)
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "sd"])
+def test_ragged_batch_matches_rows_alone(arch, method):
+    """Rows of different lengths in one batch give each row's own greedy output."""
+    dec = decoder(arch)
+    prompts = [prompt_of(n, seed=n) for n in (3, 17, 9)]
+    out = dec.generate_ids(prompts, method, 20, GREEDY)
+    for p, toks in zip(prompts, out.tokens):
+        assert toks == hf_generate(dec.model, p, 20, GREEDY)
