@@ -31,21 +31,25 @@ class Prompt:
     ids: list[int]
 
 
-def read_prompts(path: str | Path, decoder: SpecDecoder, limit: int | None = None) -> list[Prompt]:
-    """Prompts from JSON lines with ``id``, ``category``, ``chat`` and ``prompt``."""
-    out = []
+def read_prompts(path: str | Path, decoder: SpecDecoder, limit: int | None = None,
+                 per_category: int | None = None) -> list[Prompt]:
+    """Prompts from JSON lines with ``id``, ``category``, ``chat`` and ``prompt``.
+
+    ``per_category`` keeps the first K prompts of each category, taken round-robin across
+    categories so that ``limit`` then cuts a balanced set.
+    """
     with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            out.append(Prompt(str(row.get("id", len(out))), row.get("category", "none"),
-                              decoder.encode(row["prompt"], bool(row.get("chat", True)))))
-            if limit and len(out) >= limit:
-                break
-    if not out:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if per_category:
+        by_cat: dict[str, list[dict]] = {}
+        for row in rows:
+            by_cat.setdefault(row.get("category", "none"), []).append(row)
+        rows = [cat[i] for i in range(per_category) for cat in by_cat.values() if i < len(cat)]
+    rows = rows[:limit] if limit else rows
+    if not rows:
         raise ValueError(f"no prompts in {path}")
-    return out
+    return [Prompt(str(row.get("id", i)), row.get("category", "none"), decoder.encode(row["prompt"], bool(row.get("chat", True))))
+            for i, row in enumerate(rows)]
 
 
 class _CallCounter:

@@ -58,7 +58,7 @@ def cmd_bench(args) -> int:
 
     dec = SpecDecoder(args.model, args.draft, args.dtype)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    prompts = read_prompts(args.prompts, dec, args.limit)
+    prompts = read_prompts(args.prompts, dec, args.limit, args.per_category)
     s = _sampling(args)
     options = {m: _method_options(args, m) for m in methods}
     result = run_bench(dec, methods, prompts, args.max_new_tokens, s, options,
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--methods", default="hf,hf-pld,ar,pld", help="comma list of hf, hf-pld, hf-assisted, ar, sd, pld")
     b.add_argument("--prompts", required=True, help="JSON lines with id, category, chat, prompt")
     b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--per-category", type=int, default=None, help="first K prompts of each category, interleaved")
     b.add_argument("--json", default=None, metavar="OUT", help="write the full results here")
     b.set_defaults(func=cmd_bench)
 

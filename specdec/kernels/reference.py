@@ -134,6 +134,7 @@ def ngram_match(
     drafts = torch.full((b, k, w), -1, dtype=torch.int64, device=dev)
     dlens = torch.zeros(b, k, dtype=torch.int32, device=dev)
     counts = torch.zeros(b, k, dtype=torch.int32, device=dev)
+    ar = torch.arange(w, device=dev)
     for row in range(b):  # rows are independent; the reference keeps them simple
         length = int(lengths[row])
         seq = tokens[row, :length]
@@ -142,15 +143,16 @@ def ngram_match(
             hits = (windows == seq[length - n:]).all(-1).nonzero().flatten()
             if hits.numel() == 0:
                 continue
-            groups: dict[tuple[int, ...], list[int]] = {}
-            for p in hits.tolist():
-                cont = tuple(seq[p + n: min(p + n + w, length)].tolist())
-                groups.setdefault(cont, []).append(p)
-            ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), -max(kv[1])))[:k]
-            for slot, (cont, ps) in enumerate(ranked):
-                drafts[row, slot, : len(cont)] = torch.tensor(cont, device=dev)
-                dlens[row, slot] = len(cont)
-                counts[row, slot] = len(ps)
+            idx = hits[:, None] + n + ar
+            conts = torch.where(idx < length, seq[idx.clamp(max=length - 1)], -1)  # [hits, w], -1 past the end
+            uniq, inverse, cnt = torch.unique(conts, dim=0, return_inverse=True, return_counts=True)
+            latest = torch.full((uniq.shape[0],), -1, dtype=hits.dtype, device=dev).scatter_reduce(
+                0, inverse, hits, reduce="amax")
+            top = (cnt * (length + 1) + latest).argsort(descending=True)[:k]  # count, then recency
+            m = top.numel()
+            drafts[row, :m] = uniq[top]
+            dlens[row, :m] = (uniq[top] >= 0).sum(-1).to(torch.int32)
+            counts[row, :m] = cnt[top].to(torch.int32)
             break
     return drafts, dlens, counts
 

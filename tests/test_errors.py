@@ -1,0 +1,102 @@
+"""Bad input gets a clear error, never a wrong answer or a hang."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from specdec.api import SpecDecoder
+from specdec.cli import main
+from specdec.hub import load_model, resolve
+from specdec.verify import SamplingConfig
+from tests.conftest import tiny_model
+
+
+@pytest.fixture
+def dec():
+    return SpecDecoder(tiny_model("llama"), draft=tiny_model("llama", seed=1))
+
+
+def test_empty_prompt(dec):
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.generate_ids([[]], "pld", 4)
+    with pytest.raises(ValueError, match="no prompts"):
+        dec.generate_ids([], "pld", 4)
+
+
+def test_draft_with_other_vocabulary():
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpecDecoder(tiny_model("llama"), draft=tiny_model("llama", vocab=128))
+
+
+def test_prompt_longer_than_context(dec):
+    with pytest.raises(ValueError, match="context too long"):
+        dec.generate_ids([[5] * 600], "ar", 4)
+    with pytest.raises(ValueError, match="context too long"):
+        dec.generate_ids([[5] * 500], "sd", 20)  # prompt fits, prompt + new tokens does not
+
+
+@pytest.mark.parametrize("n", [0, -3])
+def test_max_new_tokens_must_be_positive(dec, n):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dec.generate_ids([[5, 6]], "ar", n)
+
+
+def test_unknown_method_and_options(dec):
+    with pytest.raises(ValueError, match="unknown method"):
+        dec.generate_ids([[5, 6]], "medusa", 4)
+    with pytest.raises(ValueError, match="unknown options"):
+        dec.generate_ids([[5, 6]], "sd", 4, draft_len=3)
+    with pytest.raises(TypeError):
+        dec.generate_ids([[5, 6]], "pld", 4, width=3)
+
+
+def test_sd_needs_a_draft():
+    with pytest.raises(ValueError, match="needs a draft"):
+        SpecDecoder(tiny_model("llama")).generate_ids([[5, 6]], "sd", 4)
+
+
+def test_token_ids_out_of_vocabulary(dec):
+    with pytest.raises(ValueError, match="token ids"):
+        dec.generate_ids([[5, 96]], "ar", 4)
+
+
+def test_unknown_model_and_dtype(tmp_path):
+    with pytest.raises(ValueError, match="unknown model"):
+        resolve("no-such-model")
+    with pytest.raises(ValueError, match="unknown model"):
+        resolve(str(tmp_path))  # a folder without a model
+    with pytest.raises(ValueError, match="dtype"):
+        load_model("smollm2", dtype="int3")
+
+
+def test_nan_logits_raise():
+    broken = copy.deepcopy(tiny_model("qwen2"))
+    with torch.no_grad():
+        broken.get_output_embeddings().weight[3, 0] = float("nan")
+    dec = SpecDecoder(broken)
+    for method in ("ar", "pld"):
+        with pytest.raises(FloatingPointError, match="NaN"):
+            dec.generate_ids([[5, 6, 7]], method, 4)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=1.0, top_p=0.0),
+                                    dict(temperature=1.0, top_k=-2)])
+def test_bad_sampling_settings(kwargs):
+    with pytest.raises(ValueError):
+        SamplingConfig(**kwargs)
+
+
+def test_cli_reports_errors_without_traceback(capsys):
+    assert main(["generate", "--model", "no-such-model", "--prompt", "hi"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+def test_encoder_decoder_model_is_unsupported(tmp_path):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    T5ForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="unsupported model"):
+        load_model(str(tmp_path))

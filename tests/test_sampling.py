@@ -1,0 +1,376 @@
+"""Sampling is lossless: output follows the target's processed distribution (temperature, top-k, top-p).
+
+Chi-square goodness-of-fit tests against exactly computed distributions. Every random draw comes
+from a seeded generator, so each test is deterministic: a correct sampler passes with p > PASS
+on these seeds, and the planted bugs (wrong verifiers written here) get p < POWER on the same
+tests, which shows that the tests can tell.
+
+Kernel level: :func:`specdec.kernels.tree_verify_sampling` over big batches of one tree shape,
+with random target tables where the target's distribution at a node depends on the draft prefix
+(``P1[t1]``, ``P2[t1, t2]``). Whatever one verification emits is completed from the same tables,
+as the next steps would, so the first three tokens must follow ``P0 x P1 x P2`` exactly.
+
+End to end: ``SpecDecoder.generate_ids`` on a tiny 12-token model, the same prompt repeated per
+row, against the distribution enumerated over every continuation.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specdec import kernels
+from specdec.api import SpecDecoder
+from specdec.tree import DraftTree
+from specdec.verify import SamplingConfig, processed_probs
+from tests.conftest import tiny_model
+from tests.test_greedy_lossless import perturbed
+
+PASS = 1e-4  # a correct sampler must reach p > PASS
+POWER = 1e-8  # a planted bug must fall to p < POWER
+
+
+# ----------------------------------------------------------------------------------------
+# Chi-square
+# ----------------------------------------------------------------------------------------
+
+
+def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Goodness of fit of ``counts`` to ``probs`` (same shape). Cells expected below ``min_expected``
+    are pooled into one bin; any count in a probability-zero cell gives p = 0."""
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    assert counts.shape == probs.shape and abs(probs.sum() - 1) < 1e-5, probs.sum()
+    n = counts.sum()
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    exp = probs / probs.sum() * n
+    big = exp >= min_expected
+    obs_b, exp_b = list(counts[big]), list(exp[big])
+    rest_obs, rest_exp = counts[~big].sum(), exp[~big].sum()
+    if rest_exp > 0:
+        if rest_exp < min_expected and exp_b:  # pool the tail with the smallest big cell
+            j = int(np.argmin(exp_b))
+            obs_b[j] += rest_obs
+            exp_b[j] += rest_exp
+        else:
+            obs_b.append(rest_obs)
+            exp_b.append(rest_exp)
+    if len(exp_b) < 2:
+        return 1.0
+    return float(stats.chisquare(obs_b, exp_b).pvalue)
+
+
+def joint_counts(seqs: torch.Tensor, v: int) -> np.ndarray:
+    """Counts ``[v]*n`` of the rows of ``seqs [N,n]``."""
+    n = seqs.shape[1]
+    flat = torch.zeros(seqs.shape[0], dtype=torch.int64)
+    for j in range(n):
+        flat = flat * v + seqs[:, j]
+    return torch.bincount(flat, minlength=v ** n).reshape([v] * n).numpy()
+
+
+def fit_pvalues(counts: np.ndarray, exact: np.ndarray) -> dict[str, float]:
+    """p-values of the joint, of every single-token marginal and of every consecutive pair."""
+    n = counts.ndim
+    out = {"joint": chi2_pvalue(counts, exact)}
+    for j in range(n):
+        axes = tuple(a for a in range(n) if a != j)
+        out[f"t{j + 1}"] = chi2_pvalue(counts.sum(axes), exact.sum(axes))
+    for j in range(n - 1):
+        axes = tuple(a for a in range(n) if a not in (j, j + 1))
+        if axes:
+            out[f"t{j + 1}t{j + 2}"] = chi2_pvalue(counts.sum(axes), exact.sum(axes))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel level
+# ----------------------------------------------------------------------------------------
+
+V = 8
+B = 50_000
+
+
+def random_dists(g: torch.Generator, shape: tuple[int, ...], sharpness: float = 1.5, zero_frac: float = 0.25):
+    """Random distributions ``[*shape, V]`` (fp32), neither flat nor one-hot, some entries exactly 0."""
+    x = torch.randn(*shape, V, generator=g, dtype=torch.float64) * sharpness
+    zero = torch.rand(*shape, V, generator=g, dtype=torch.float64) < zero_frac
+    zero[..., 0] = False  # keep at least one token
+    p = x.softmax(-1).masked_fill(zero, 0.0)
+    return (p / p.sum(-1, keepdim=True)).float()
+
+
+class Tables:
+    """Target tables ``P0 [V]``, ``P1 [V,V]``, ``P2 [V,V,V]`` (the next-token distribution after the
+    prefix ``()``, ``(t1)``, ``(t1,t2)``) and draft tables ``Q1 [V]``, ``Q2 [V,V]``."""
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.P0, self.P1, self.P2 = random_dists(g, ()), random_dists(g, (V,)), random_dists(g, (V, V))
+        # The draft: a different, sometimes flatter, distribution with its own zeros.
+        self.Q1, self.Q2 = random_dists(g, (), 1.0, 0.3), random_dists(g, (V,), 1.0, 0.3)
+
+    def exact(self) -> np.ndarray:
+        """``[V,V,V]`` the target's distribution of the first three tokens."""
+        p0, p1, p2 = (t.double().numpy() for t in (self.P0, self.P1, self.P2))
+        return p0[:, None, None] * p1[:, :, None] * p2
+
+    def target_at(self, prefix: list[torch.Tensor]) -> torch.Tensor:
+        """``[N,V]`` the target's distribution after a per-row prefix of 0, 1 or 2 tokens."""
+        if len(prefix) == 0:
+            return self.P0.expand(B, V)
+        if len(prefix) == 1:
+            return self.P1[prefix[0]]
+        return self.P2[prefix[0], prefix[1]]
+
+
+def sample(p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    return torch.multinomial(p, 1, generator=g).squeeze(1)
+
+
+def depth_prefixes(tokens: torch.Tensor, parents: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Per node: the draft tokens on its root path (root excluded), each ``[B]``."""
+    out: list[list[torch.Tensor]] = []
+    rows = torch.arange(tokens.shape[0])
+    for i in range(tokens.shape[1]):
+        par = parents[:, i]
+        if i == 0:
+            out.append([])
+            continue
+        # All rows share one tree shape, so the parent index is the same in every row.
+        p = int(par[0])
+        assert bool((par == p).all())
+        out.append(out[p] + [tokens[rows, i]])
+    return out
+
+
+def emit_and_complete(tables: Tables, tokens, path, length, nxt, g) -> torch.Tensor:
+    """The first three tokens per row: accepted drafts, the next token, then samples from the
+    target tables for whatever one verification did not emit (as later steps would)."""
+    rows = torch.arange(tokens.shape[0])
+    out = torch.full((tokens.shape[0], 3), -1, dtype=torch.int64)
+    length = length.long()
+    for j in range(1, 3):  # accepted drafts: path[1], path[2]
+        has = length > j
+        out[:, j - 1] = torch.where(has, tokens[rows, path[:, j].clamp(min=0)], out[:, j - 1])
+    nxt_pos = (length - 1).clamp(max=2)  # emitted tokens = length-1 drafts, then next
+    inside = length - 1 <= 2
+    out[rows[inside], nxt_pos[inside]] = nxt[inside]
+    for j in range(3):
+        missing = out[:, j] < 0
+        if bool(missing.any()):
+            p = tables.target_at([out[:, k] for k in range(j)]) if j else tables.P0.expand(B, V)
+            out[:, j] = torch.where(missing, sample(p.clamp(min=0), g), out[:, j])
+    assert bool((out >= 0).all())
+    return out
+
+
+def run_tree(verify, tables: Tables, tokens, parents, draft_probs, valid, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify with target probs from the tables at every node; returns (first 3 tokens [B,3], length [B])."""
+    g = torch.Generator().manual_seed(seed)
+    prefixes = depth_prefixes(tokens, parents)
+    target_probs = torch.stack([tables.target_at(pre) for pre in prefixes], dim=1)
+    uniforms = torch.rand(B, tokens.shape[1] + 1, generator=g)
+    path, length, nxt = verify(tokens, parents, target_probs, draft_probs, uniforms, valid)
+    return emit_and_complete(tables, tokens, path, length, nxt, g), length
+
+
+def chain_case(seed: int):
+    """Chains root -> x1 ~ Q1 -> x2 ~ Q2[x1]; a third of the rows stop after x1 (padding)."""
+    t = Tables(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x1 = sample(t.Q1.expand(B, V), g)
+    x2 = sample(t.Q2[x1], g)
+    short = torch.rand(B, generator=g) < 1 / 3
+    drafts = torch.stack([x1, torch.where(short, -1, x2)], dim=1)
+    q = torch.stack([t.Q1.expand(B, V), t.Q2[x1]], dim=1)
+    tree = DraftTree.chain(torch.zeros(B, dtype=torch.int64), drafts, q)
+    return t, tree.tokens, tree.parents, tree.draft_probs, tree.valid
+
+
+def distinct_tokens(weights: torch.Tensor, n: int, g: torch.Generator) -> torch.Tensor:
+    """``[B,n]`` distinct tokens per row, drawn without replacement from ``weights [B,V]`` (a draft's
+    top choices, in its order of preference: skewed, so a wrong verifier shows)."""
+    return torch.multinomial(weights + 0.02, n, replacement=False, generator=g)
+
+
+# root children a (node 1), b (node 3), c (node 5); a's children nodes 2, 6; b's child node 4.
+# Interleaved indices: verification must follow parents, not index order alone.
+TREE_PARENTS = [-1, 0, 1, 0, 3, 0, 1]
+
+
+def deterministic_tree_case(seed: int, zero_probs: bool):
+    """Deterministic drafts: distinct tokens among siblings (one-hot proposals)."""
+    t = Tables(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    top = distinct_tokens(t.Q1.expand(B, V), 3, g)
+    under_a = distinct_tokens(t.Q2[top[:, 0]], 2, g)
+    under_b = distinct_tokens(t.Q2[top[:, 1]], 1, g)
+    tokens = torch.stack([torch.zeros(B, dtype=torch.int64), top[:, 0], under_a[:, 0], top[:, 1], under_b[:, 0],
+                          top[:, 2], under_a[:, 1]], dim=1)
+    parents = torch.tensor(TREE_PARENTS).expand(B, -1).clone()
+    draft_probs = torch.zeros(B, len(TREE_PARENTS), V) if zero_probs else None  # all-zero rows mean one-hot
+    return t, tokens, parents, draft_probs, None
+
+
+def iid_siblings_case(seed: int):
+    """SpecInfer multi-draft: siblings drawn i.i.d. from one q (repeats allowed)."""
+    t = Tables(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    top = torch.multinomial(t.Q1, 3 * B, replacement=True, generator=g).view(B, 3)
+    under_a = torch.multinomial(t.Q2[top[:, 0]], 2, replacement=True, generator=g)
+    under_b = sample(t.Q2[top[:, 1]], g)
+    tokens = torch.stack([torch.zeros(B, dtype=torch.int64), top[:, 0], under_a[:, 0], top[:, 1], under_b,
+                          top[:, 2], under_a[:, 1]], dim=1)
+    parents = torch.tensor(TREE_PARENTS).expand(B, -1).clone()
+    q1 = t.Q1.expand(B, V)
+    draft_probs = torch.stack([torch.zeros(B, V), q1, t.Q2[top[:, 0]], q1, t.Q2[top[:, 1]], q1, t.Q2[top[:, 0]]], dim=1)
+    return t, tokens, parents, draft_probs, None
+
+
+CASES = {
+    "chain": lambda s: chain_case(s),
+    "deterministic-tree": lambda s: deterministic_tree_case(s, zero_probs=False),
+    "deterministic-tree-zero-q": lambda s: deterministic_tree_case(s, zero_probs=True),
+    "iid-siblings": lambda s: iid_siblings_case(s),
+}
+
+
+def case_pvalues(verify, case: str, seed: int = 0) -> tuple[dict[str, float], torch.Tensor]:
+    tables, tokens, parents, draft_probs, valid = CASES[case](seed)
+    first3, length = run_tree(verify, tables, tokens, parents, draft_probs, valid, seed + 2)
+    return fit_pvalues(joint_counts(first3, V), tables.exact()), length
+
+
+def planted(bug: str):
+    """A recursive rejection sampler with one deliberate mistake (``bug``), same signature as the kernel."""
+
+    def verify(tokens, parents, target_probs, draft_probs, uniforms, valid=None):
+        b, t = tokens.shape
+        rows = torch.arange(b)
+        current = torch.zeros(b, dtype=torch.int64)
+        p = target_probs[:, 0].clone()
+        p_node = p.clone()  # the target's distribution at the current node, before any rejection
+        path = torch.full((b, t), -1, dtype=torch.int64)
+        path[:, 0] = 0
+        length = torch.ones(b, dtype=torch.int64)
+        for i in range(1, t):
+            consider = parents[:, i] == current
+            if valid is not None:
+                consider &= valid[:, i]
+            x = tokens[:, i]
+            onehot = torch.nn.functional.one_hot(x, p.shape[-1]).float()
+            q = onehot if draft_probs is None else torch.where(draft_probs[:, i].sum(-1, keepdim=True) > 0,
+                                                                draft_probs[:, i], onehot)
+            accept = consider & (uniforms[:, i] * q[rows, x] < p[rows, x])
+            reject = consider & ~accept
+            if bug == "resample_from_p":  # on rejection keep sampling from p itself
+                residual = p
+            elif bug == "onehot_residual":  # subtract the drafted token only, as if it were deterministic
+                residual = (p - onehot).clamp(min=0)
+                residual = residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)
+            elif bug == "no_renorm":  # max(p - q, 0) without normalising
+                residual = (p - q).clamp(min=0)
+            elif bug == "forget_earlier_rejections":  # max(p_node - q, 0): right for the first sibling only
+                residual = (p_node - q).clamp(min=0)
+                residual = residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)
+            else:
+                raise ValueError(bug)
+            p = torch.where(reject[:, None], residual, p)
+            p = torch.where(accept[:, None], target_probs[:, i], p)
+            p_node = torch.where(accept[:, None], target_probs[:, i], p_node)
+            path[rows[accept], length[accept]] = i
+            length = length + accept.long()
+            current = torch.where(accept, i, current)
+        return path, length.to(torch.int32), kernels.sample_from_probs(p, uniforms[:, t])
+
+    return verify
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_sampling_is_lossless(case):
+    """The first three tokens follow the target exactly: joint, marginals and consecutive pairs."""
+    pvals, length = case_pvalues(kernels.tree_verify_sampling, case)
+    assert min(pvals.values()) > PASS, pvals
+    # The walk both accepts and rejects, at both depths.
+    counts = torch.bincount(length.long(), minlength=4)
+    assert (counts[1:4] > 1000).all(), counts
+
+
+@pytest.mark.parametrize("bug,case", [
+    ("resample_from_p", "chain"),
+    ("onehot_residual", "chain"),
+    ("no_renorm", "iid-siblings"),
+    ("forget_earlier_rejections", "deterministic-tree"),
+])
+def test_planted_bug_is_detected(bug, case):
+    """The same test rejects a wrong verifier: these chi-square tests have power."""
+    pvals, _ = case_pvalues(planted(bug), case)
+    assert pvals["t1"] < POWER and pvals["joint"] < POWER, pvals
+
+
+# ----------------------------------------------------------------------------------------
+# End to end
+# ----------------------------------------------------------------------------------------
+
+E2E_VOCAB = 12
+E2E_STD = 0.2  # processed distributions of mean entropy ~1.4 nats (max log 12 = 2.5)
+E2E_NEW = 4  # max_new_tokens: the first token is a plain sample, drafting starts with the second
+# Repeated n-grams the model tends to continue: prompt lookup drafts after the likely first tokens, and
+# about 40% of its first drafts are accepted (chosen by a search over random repetitive prompts).
+E2E_PROMPT = [2, 3, 4, 2, 3, 4, 4, 4, 2, 3]
+E2E_ROWS = 3000
+E2E_CHUNK = 1000  # rows per generate_ids call (each call seeded differently)
+E2E_CONFIGS = {
+    "temp0.8": dict(temperature=0.8),
+    "topk6-topp0.85": dict(temperature=1.1, top_k=6, top_p=0.85),
+}
+
+
+@torch.inference_mode()
+def exact_continuations(model, prompt: list[int], n: int, cfg: SamplingConfig) -> np.ndarray:
+    """``[V]*n`` the target's processed distribution of the next ``n`` tokens (no EOS stop), from one
+    forward over the prompt followed by every ``(n-1)``-token continuation."""
+    v = E2E_VOCAB
+    heads = torch.tensor(list(itertools.product(range(v), repeat=n - 1)), dtype=torch.int64).view(-1, n - 1)
+    ids = torch.cat([torch.tensor(prompt).expand(heads.shape[0], -1), heads], dim=1)
+    probs = processed_probs(model(ids).logits[:, len(prompt) - 1:], cfg).double().numpy()  # [v^(n-1), n, v]
+    probs = probs.reshape([v] * (n - 1) + [n, v])
+    exact = np.ones([v] * n)
+    for j in range(n):
+        # P(t_{j+1} | t_1..t_j), read in any row whose head starts with t_1..t_j (here: head t_{j+1..n-1} = 0).
+        cond = probs[(slice(None),) * j + (0,) * (n - 1 - j) + (j,)]  # [v]*j + [v]
+        exact = exact * cond.reshape([v] * (j + 1) + [1] * (n - 1 - j))
+    return exact
+
+
+@pytest.fixture(scope="module")
+def e2e_decoder():
+    target = tiny_model("llama", vocab=E2E_VOCAB, std=E2E_STD)
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6))
+    dec.eos = set()  # fixed-length outputs: the enumeration needs no EOS handling
+    return dec
+
+
+@pytest.mark.parametrize("config", list(E2E_CONFIGS))
+@pytest.mark.parametrize("method", ["ar", "pld", "sd"])
+def test_generate_sampling_is_lossless(e2e_decoder, method, config):
+    dec = e2e_decoder
+    opts = {"draft_length": 2} if method == "sd" else {}
+    out, drafted, accepted = [], 0, 0
+    for chunk in range(E2E_ROWS // E2E_CHUNK):
+        cfg = SamplingConfig(seed=1000 * chunk + 17, **E2E_CONFIGS[config])
+        res = dec.generate_ids([E2E_PROMPT] * E2E_CHUNK, method, E2E_NEW, cfg, **opts)
+        out += res.tokens
+        drafted += res.stats.drafted_tokens
+        accepted += res.stats.accepted_tokens
+    assert all(len(t) == E2E_NEW for t in out)
+    if method != "ar":  # speculation happened: drafts were proposed, some accepted, some rejected
+        assert drafted > E2E_ROWS and 0 < accepted < drafted, (drafted, accepted)
+    exact = exact_continuations(dec.model, E2E_PROMPT, E2E_NEW, SamplingConfig(**E2E_CONFIGS[config]))
+    pvals = fit_pvalues(joint_counts(torch.tensor(out), E2E_VOCAB), exact)
+    assert min(pvals.values()) > PASS, pvals
