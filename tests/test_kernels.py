@@ -295,11 +295,12 @@ def check_ngram(op, rows: list[list[int]], lengths: list[int], n_min, n_max, k, 
 @st.composite
 def ngram_cases(draw):
     b = draw(st.integers(1, 3))
-    pad_len = draw(st.integers(0, 30))
+    pad_len = draw(st.integers(0, 32))
     vocab = draw(st.integers(1, 4))
     rows, lengths = [], []
     for _ in range(b):
-        length = draw(st.integers(0, pad_len))
+        # Mostly long rows (more and longer matches), sometimes short or empty ones.
+        length = draw(st.one_of(st.integers(max(0, pad_len - 6), pad_len), st.integers(0, pad_len)))
         valid = draw(st.lists(st.integers(0, vocab - 1), min_size=length, max_size=length))
         # Padding that would create (longer, more frequent) matches if it were read.
         pad_kind = draw(st.sampled_from(["repeat", "const", "random"]))
@@ -547,15 +548,18 @@ def test_tree_verify_greedy_root_only():
 @pytest.mark.parametrize("which", list(OPS))
 @settings(max_examples=60, deadline=None)
 @given(case=verify_cases(distinct_siblings=True), use_valid=st.booleans(), with_draft=st.booleans(),
-       useed=st.integers(0, 2**31 - 1))
-def test_tree_verify_sampling_one_hot_equals_greedy(which, case, use_valid, with_draft, useed):
+       useed=st.integers(0, 2**31 - 1), ukind=st.sampled_from(["random", "zero", "near_one"]))
+def test_tree_verify_sampling_one_hot_equals_greedy(which, case, use_valid, with_draft, useed, ukind):
     tokens, parents, logits, valid = case
     b, t, v = logits.shape
     g = torch.Generator().manual_seed(useed)
     target = torch.nn.functional.one_hot(logits.argmax(-1), v).float()
     draft = torch.softmax(torch.randn(b, t, v, generator=g) * 2, -1) if with_draft else None
-    uniforms = torch.rand(b, t + 1, generator=g)
-    uniforms[:, -1] = torch.tensor([0.0, 1 - 1e-7, 0.5, 0.999])[:b]
+    # Extreme uniforms included: u = 0 must not accept a token the target gives probability 0.
+    uniforms = {"random": torch.rand(b, t + 1, generator=g), "zero": torch.zeros(b, t + 1),
+                "near_one": torch.full((b, t + 1), 1 - 1e-7)}[ukind]
+    if ukind == "random":
+        uniforms[:, -1] = torch.tensor([0.0, 1 - 1e-7, 0.5, 0.999])[:b]
     vmask = valid if use_valid else None
     greedy = OPS[which].tree_verify_greedy(tokens, parents, logits, vmask)
     sampled = OPS[which].tree_verify_sampling(tokens, parents, target, draft, uniforms, vmask)

@@ -414,3 +414,9 @@ def test_chain_matches_naive(rows):
         assert tree.tokens[r].tolist() == [50 + r] + [max(x, 0) for x in row]
         assert tree.parents[r].tolist() == list(range(-1, k))
         assert tree.depth[r].tolist() == [naive_depth(list(range(-1, k)), i) for i in range(k + 1)]
+
+
+@pytest.mark.parametrize("parents", [[[0, 0, 1]], [[-1, -1, 1]]])
+def test_from_parents_rejects_a_second_or_missing_root(parents):
+    with pytest.raises(ValueError, match="root|parent"):
+        DraftTree.from_parents(torch.tensor([[7, 8, 9]]), torch.tensor(parents))
