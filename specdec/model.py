@@ -193,16 +193,27 @@ class ModelRunner:
         b, l = input_ids.shape
         if b != self.batch_size:
             raise ValueError(f"prefill of {b} rows on a runner reset for {self.batch_size}")
-        positions = torch.arange(l, device=self.device).expand(b, l)
-        last = prompt_lens - 1
-        logits, hidden = self._run(input_ids, positions, None, logits_to_keep=last if b > 1 else 1, return_hidden=return_hidden)
+        lens = prompt_lens.tolist()
+        if b == 1 or len(set(lens)) == 1:
+            positions = torch.arange(l, device=self.device).expand(b, l)
+            logits, hidden = self._run(input_ids, positions, None, logits_to_keep=1, return_hidden=return_hidden)
+            self.cache.lengths.copy_(prompt_lens)
+            self.cache.write_pos = l
+            return logits[:, -1], (hidden[:, -1] if hidden is not None else None)
+        # Ragged rows: logits are wanted at a different column per row. Encode all but each row's
+        # last token (logits of one column only), then the last tokens as one-node trees.
+        head = max(lens) - 1
+        if head > 0:
+            positions = torch.arange(head, device=self.device).expand(b, head)
+            self._run(input_ids[:, :head], positions, None, logits_to_keep=1)
+        self.cache.lengths.copy_(prompt_lens - 1)
+        self.cache.write_pos = head
         rows = torch.arange(b, device=self.device)
-        logits = logits[rows, rows] if b > 1 else logits[:, -1]
-        if hidden is not None:
-            hidden = hidden[rows, last]
-        self.cache.lengths.copy_(prompt_lens)
-        self.cache.write_pos = int(prompt_lens.max())
-        return logits, hidden
+        last_tokens = DraftTree.chain(input_ids[rows, prompt_lens - 1])
+        logits, hidden = self.forward_tree(last_tokens, return_hidden)
+        self.commit(torch.zeros(b, 1, dtype=torch.int64, device=self.device), torch.ones_like(prompt_lens),
+                    True, max(lens))
+        return logits[:, 0], (hidden[:, 0] if hidden is not None else None)
 
     @torch.inference_mode()
     def forward_tree(self, tree: DraftTree, return_hidden: bool = False):

@@ -157,20 +157,18 @@ def emit_and_complete(tables: Tables, tokens, path, length, nxt, g) -> torch.Ten
     for j in range(1, 3):  # accepted drafts: path[1], path[2]
         has = length > j
         out[:, j - 1] = torch.where(has, tokens[rows, path[:, j].clamp(min=0)], out[:, j - 1])
-    nxt_pos = (length - 1).clamp(max=2)  # emitted tokens = length-1 drafts, then next
-    inside = length - 1 <= 2
-    out[rows[inside], nxt_pos[inside]] = nxt[inside]
+    out[rows, length - 1] = nxt  # after the length-1 accepted drafts (the trees here are 2 deep)
     for j in range(3):
         missing = out[:, j] < 0
         if bool(missing.any()):
-            p = tables.target_at([out[:, k] for k in range(j)]) if j else tables.P0.expand(B, V)
-            out[:, j] = torch.where(missing, sample(p.clamp(min=0), g), out[:, j])
+            p = tables.target_at([out[:, k] for k in range(j)])
+            out[:, j] = torch.where(missing, sample(p, g), out[:, j])
     assert bool((out >= 0).all())
     return out
 
 
-def run_tree(verify, tables: Tables, tokens, parents, draft_probs, valid, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify with target probs from the tables at every node; returns (first 3 tokens [B,3], length [B])."""
+def run_tree(verify, tables: Tables, tokens, parents, draft_probs, valid, seed: int):
+    """Verify with target probs from the tables at every node: (first 3 tokens ``[B,3]``, length ``[B]``)."""
     g = torch.Generator().manual_seed(seed)
     prefixes = depth_prefixes(tokens, parents)
     target_probs = torch.stack([tables.target_at(pre) for pre in prefixes], dim=1)
@@ -247,7 +245,8 @@ def case_pvalues(verify, case: str, seed: int = 0) -> tuple[dict[str, float], to
 
 
 def planted(bug: str):
-    """A recursive rejection sampler with one deliberate mistake (``bug``), same signature as the kernel."""
+    """A recursive rejection sampler with one deliberate mistake (``bug``), same signature as the kernel;
+    ``bug="none"`` is the correct rule (a control: the harness passes it)."""
 
     def verify(tokens, parents, target_probs, draft_probs, uniforms, valid=None):
         b, t = tokens.shape
@@ -268,7 +267,10 @@ def planted(bug: str):
                                                                 draft_probs[:, i], onehot)
             accept = consider & (uniforms[:, i] * q[rows, x] < p[rows, x])
             reject = consider & ~accept
-            if bug == "resample_from_p":  # on rejection keep sampling from p itself
+            if bug == "none":  # norm(max(p - q, 0))
+                residual = (p - q).clamp(min=0)
+                residual = residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)
+            elif bug == "resample_from_p":  # on rejection keep sampling from p itself
                 residual = p
             elif bug == "onehot_residual":  # subtract the drafted token only, as if it were deterministic
                 residual = (p - onehot).clamp(min=0)
@@ -301,6 +303,13 @@ def test_kernel_sampling_is_lossless(case):
     assert (counts[1:4] > 1000).all(), counts
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_planted_harness_without_bug_passes(case):
+    """Control for the planted bugs: the same sampler without its bug passes, so the bug is what fails."""
+    pvals, _ = case_pvalues(planted("none"), case)
+    assert min(pvals.values()) > PASS, pvals
+
+
 @pytest.mark.parametrize("bug,case", [
     ("resample_from_p", "chain"),
     ("onehot_residual", "chain"),
@@ -323,54 +332,83 @@ E2E_NEW = 4  # max_new_tokens: the first token is a plain sample, drafting start
 # Repeated n-grams the model tends to continue: prompt lookup drafts after the likely first tokens, and
 # about 40% of its first drafts are accepted (chosen by a search over random repetitive prompts).
 E2E_PROMPT = [2, 3, 4, 2, 3, 4, 4, 4, 2, 3]
-E2E_ROWS = 3000
-E2E_CHUNK = 1000  # rows per generate_ids call (each call seeded differently)
+E2E_ROWS = 6000
+E2E_CHUNK = 500  # rows per generate_ids call, each call with its own seed (prefill costs O(rows^2))
 E2E_CONFIGS = {
     "temp0.8": dict(temperature=0.8),
     "topk6-topp0.85": dict(temperature=1.1, top_k=6, top_p=0.85),
 }
+EOS = 1  # the tiny models' EOS id; the target gives it 3-5% at most steps
 
 
 @torch.inference_mode()
-def exact_continuations(model, prompt: list[int], n: int, cfg: SamplingConfig) -> np.ndarray:
-    """``[V]*n`` the target's processed distribution of the next ``n`` tokens (no EOS stop), from one
-    forward over the prompt followed by every ``(n-1)``-token continuation."""
+def exact_continuations(model, prompt: list[int], n: int, cfg: SamplingConfig, eos: int | None = None) -> np.ndarray:
+    """``[V]*n`` the target's processed distribution of the next ``n`` tokens, from one forward over the
+    prompt followed by every ``(n-1)``-token continuation. With ``eos``, a sequence stops at its first
+    ``eos`` and is counted padded with ``eos`` to length ``n`` (see :func:`padded`)."""
     v = E2E_VOCAB
     heads = torch.tensor(list(itertools.product(range(v), repeat=n - 1)), dtype=torch.int64).view(-1, n - 1)
     ids = torch.cat([torch.tensor(prompt).expand(heads.shape[0], -1), heads], dim=1)
     probs = processed_probs(model(ids).logits[:, len(prompt) - 1:], cfg).double().numpy()  # [v^(n-1), n, v]
     probs = probs.reshape([v] * (n - 1) + [n, v])
-    exact = np.ones([v] * n)
+    is_eos = np.arange(v) == eos
+    exact, ended = np.ones([]), np.zeros([], dtype=bool)
     for j in range(n):
         # P(t_{j+1} | t_1..t_j), read in any row whose head starts with t_1..t_j (here: head t_{j+1..n-1} = 0).
-        cond = probs[(slice(None),) * j + (0,) * (n - 1 - j) + (j,)]  # [v]*j + [v]
-        exact = exact * cond.reshape([v] * (j + 1) + [1] * (n - 1 - j))
+        cond = probs[(slice(None),) * j + (0,) * (n - 1 - j) + (j,)]  # [v]*(j+1)
+        cond = np.where(ended[..., None], is_eos.astype(np.float64), cond)  # after EOS: padding, probability 1
+        exact = exact[..., None] * cond
+        ended = ended[..., None] | is_eos
     return exact
+
+
+def padded(tokens: list[list[int]], n: int) -> torch.Tensor:
+    """Outputs ``[N,n]``, a row cut short by EOS padded with EOS."""
+    assert all(len(t) == n or (0 < len(t) < n and t[-1] == EOS) for t in tokens)
+    return torch.tensor([t + [EOS] * (n - len(t)) for t in tokens])
 
 
 @pytest.fixture(scope="module")
 def e2e_decoder():
     target = tiny_model("llama", vocab=E2E_VOCAB, std=E2E_STD)
-    dec = SpecDecoder(target, draft=perturbed(target, 0.6))
-    dec.eos = set()  # fixed-length outputs: the enumeration needs no EOS handling
-    return dec
+    return SpecDecoder(target, draft=perturbed(target, 0.6))
 
 
-@pytest.mark.parametrize("config", list(E2E_CONFIGS))
-@pytest.mark.parametrize("method", ["ar", "pld", "sd"])
-def test_generate_sampling_is_lossless(e2e_decoder, method, config):
-    dec = e2e_decoder
+def e2e_pvalues(dec: SpecDecoder, method: str, config: str, eos: bool, rows: int = E2E_ROWS):
+    dec.eos = {EOS} if eos else set()
     opts = {"draft_length": 2} if method == "sd" else {}
     out, drafted, accepted = [], 0, 0
-    for chunk in range(E2E_ROWS // E2E_CHUNK):
+    for chunk in range(rows // E2E_CHUNK):
         cfg = SamplingConfig(seed=1000 * chunk + 17, **E2E_CONFIGS[config])
         res = dec.generate_ids([E2E_PROMPT] * E2E_CHUNK, method, E2E_NEW, cfg, **opts)
         out += res.tokens
         drafted += res.stats.drafted_tokens
         accepted += res.stats.accepted_tokens
-    assert all(len(t) == E2E_NEW for t in out)
-    if method != "ar":  # speculation happened: drafts were proposed, some accepted, some rejected
-        assert drafted > E2E_ROWS and 0 < accepted < drafted, (drafted, accepted)
-    exact = exact_continuations(dec.model, E2E_PROMPT, E2E_NEW, SamplingConfig(**E2E_CONFIGS[config]))
-    pvals = fit_pvalues(joint_counts(torch.tensor(out), E2E_VOCAB), exact)
+    if not eos:
+        assert all(len(t) == E2E_NEW for t in out)
+    exact = exact_continuations(dec.model, E2E_PROMPT, E2E_NEW, SamplingConfig(**E2E_CONFIGS[config]),
+                                EOS if eos else None)
+    return fit_pvalues(joint_counts(padded(out, E2E_NEW), E2E_VOCAB), exact), drafted, accepted, out
+
+
+@pytest.mark.parametrize("method,config,eos", [
+    *[(m, c, False) for m in ("ar", "pld", "sd") for c in E2E_CONFIGS],
+    ("pld", "temp0.8", True),
+    ("sd", "temp0.8", True),
+])
+def test_generate_sampling_is_lossless(e2e_decoder, method, config, eos):
+    """The first four new tokens of ``generate_ids`` follow the target's processed distribution."""
+    pvals, drafted, accepted, out = e2e_pvalues(e2e_decoder, method, config, eos)
+    if method != "ar":  # speculation happened: drafts were proposed, many accepted, many rejected
+        assert drafted > E2E_ROWS // 2 and 0.1 * drafted < accepted < 0.9 * drafted, (drafted, accepted)
+    if eos:  # some rows stopped early, some of them inside a step
+        assert sum(len(t) < E2E_NEW for t in out) > E2E_ROWS // 20
     assert min(pvals.values()) > PASS, pvals
+
+
+def test_generate_planted_bug_is_detected(e2e_decoder, monkeypatch):
+    """End to end power: a verifier that treats sampled drafts as deterministic (ignores ``q`` in the
+    residual) fails the same test on sd."""
+    monkeypatch.setattr(kernels, "tree_verify_sampling", planted("onehot_residual"))
+    pvals, *_ = e2e_pvalues(e2e_decoder, "sd", "topk6-topp0.85", False, rows=3000)
+    assert pvals["joint"] < POWER, pvals
