@@ -10,11 +10,12 @@ from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate,
 from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
 from specdec.hub import DEFAULT_MODEL, load_model
 from specdec.model import ModelRunner
-from specdec.policies import HeuristicLength, StaticLength
+from specdec.policies import AcceptanceModel, HeuristicLength, StaticLength, StepCost
 from specdec.verify import SamplingConfig
 
 METHODS = ("ar", "sd", "pld")
 NEEDS_DRAFT = {"sd"}
+SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic")}
 
 
 @dataclass
@@ -67,6 +68,14 @@ class SpecDecoder:
         self.runner = ModelRunner(self.model)
         self.draft_runner = ModelRunner(self.draft) if self.draft is not None else None
         self.eos = eos_ids(self.model, self.tokenizer)
+        self._step_cost: StepCost | None = None
+        self._pld_acceptance = AcceptanceModel()  # learned across calls: one model, one workload
+
+    def step_cost(self) -> StepCost:
+        """The target's measured step cost per tree size (calibrated on first use, about 30 forwards)."""
+        if self._step_cost is None:
+            self._step_cost = StepCost.calibrate(self.runner)
+        return self._step_cost
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of ``prompt``, through the chat template when ``chat`` and the tokenizer has one."""
@@ -83,8 +92,10 @@ class SpecDecoder:
     def generate_ids(self, prompts: list[list[int]], method: str = "pld", max_new_tokens: int = 128,
                      sampling: SamplingConfig = SamplingConfig(), **options) -> DecodeResult:
         """Generate from token-id prompts (a ragged batch). ``options`` are method options:
-        pld: ``num_tokens`` (10), ``n_min`` (1), ``n_max`` (3); sd: ``draft_length`` (5),
-        ``schedule`` (``static`` or ``heuristic``)."""
+        pld: ``num_tokens`` (10), ``n_min`` (1), ``n_max`` (4), ``schedule``: ``cost`` (default: each draft
+        cut to the length with the most expected tokens per second, from the measured step cost and the
+        acceptance learned per matched n-gram size), ``static`` or transformers' ``heuristic``;
+        sd: ``draft_length`` (5), ``schedule`` ``static`` (default) or ``heuristic``."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
         if method in NEEDS_DRAFT and self.draft_runner is None:
@@ -97,18 +108,20 @@ class SpecDecoder:
             if options:
                 raise ValueError(f"method 'ar' takes no options, got {sorted(options)}")
             return autoregressive_generate(self.runner, prompts, max_new_tokens, sampling, self.eos)
+        options = dict(options)
+        schedule = options.pop("schedule", "cost" if method == "pld" else "static")
+        if schedule not in SCHEDULES[method]:
+            raise ValueError(f"schedule for {method!r} must be one of {SCHEDULES[method]}, got {schedule!r}")
         if method == "pld":
-            drafter = PromptLookupDrafter(**options)
-            policy = StaticLength(drafter.num_tokens)
+            adaptive = {"cost": self.step_cost(), "acceptance": self._pld_acceptance} if schedule == "cost" else {}
+            drafter = PromptLookupDrafter(**options, **adaptive)
+            k = drafter.num_tokens
         else:
             k = options.pop("draft_length", 5)
-            schedule = options.pop("schedule", "static")
             if options:
                 raise ValueError(f"unknown options for 'sd': {sorted(options)}")
-            if schedule not in ("static", "heuristic"):
-                raise ValueError(f"schedule must be 'static' or 'heuristic', got {schedule!r}")
             drafter = DraftModelDrafter(self.draft_runner, sampling)
-            policy = StaticLength(k) if schedule == "static" else HeuristicLength(k)
+        policy = HeuristicLength(k, max_k=k if method == "pld" else 64) if schedule == "heuristic" else StaticLength(k)
         return speculative_generate(self.runner, drafter, prompts, max_new_tokens, sampling, self.eos, policy)
 
     def generate(self, prompt: str, method: str = "pld", max_new_tokens: int = 128, chat: bool = True,

@@ -20,11 +20,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--num-tokens", type=int, default=None, help="pld: draft length (default 10)")
     p.add_argument("--draft-length", type=int, default=None, help="sd: draft length (default 5)")
-    p.add_argument("--schedule", choices=["static", "heuristic"], default=None, help="sd: draft-length schedule")
+    p.add_argument("--schedule", choices=["cost", "static", "heuristic"], default=None,
+                   help="draft-length schedule: pld cost (default), static, heuristic; sd static (default), heuristic")
 
 
 def _method_options(args, method: str) -> dict:
-    names = {"pld": {"num_tokens": args.num_tokens}, "sd": {"draft_length": args.draft_length, "schedule": args.schedule}}
+    names = {"pld": {"num_tokens": args.num_tokens, "schedule": args.schedule},
+             "sd": {"draft_length": args.draft_length, "schedule": args.schedule}}
     return {k: v for k, v in names.get(method, {}).items() if v is not None}
 
 

@@ -28,3 +28,103 @@ class HeuristicLength(StaticLength):
         if drafted == 0:
             return
         self.k = min(self.max_k, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+
+
+class StepCost:
+    """Measured seconds of one target forward over ``T`` tree tokens, interpolated between samples.
+
+    ``calibrate`` times the runner on a throwaway context once (a few dozen forwards): the shape
+    of c(T) is a property of the model, dtype and machine (on one CPU a 4-token step costs 1.5x
+    a 1-token step in fp32 and the same in bf16), so it is measured, never assumed.
+    """
+
+    SIZES = (1, 2, 3, 4, 5, 6, 8, 11, 16)
+
+    def __init__(self, table: dict[int, float]):
+        if not table or 1 not in table:
+            raise ValueError("a step-cost table needs at least T = 1")
+        self.sizes = sorted(table)
+        self.table = dict(table)
+
+    def __call__(self, t: int) -> float:
+        sizes = self.sizes
+        if t <= sizes[0]:
+            return self.table[sizes[0]]
+        for lo, hi in zip(sizes, sizes[1:]):
+            if t <= hi:
+                return self.table[lo] + (self.table[hi] - self.table[lo]) * (t - lo) / (hi - lo)
+        last, prev = sizes[-1], sizes[-2] if len(sizes) > 1 else sizes[-1]
+        slope = (self.table[last] - self.table[prev]) / max(1, last - prev)
+        return self.table[last] + max(0.0, slope) * (t - last)
+
+    @classmethod
+    def calibrate(cls, runner, context: int = 128, repeats: int = 3, sizes=SIZES) -> "StepCost":
+        import time
+
+        import torch
+
+        from specdec.tree import DraftTree
+
+        vocab = runner.model.get_output_embeddings().weight.shape[0]
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=g).to(runner.device)
+        runner.reset(1, ids.shape[1] + 1)
+        runner.prefill(ids[:, :context], torch.tensor([context], device=runner.device))
+        table = {}
+        for t in sizes:
+            tree = DraftTree.chain(ids[:, context], ids[:, context + 1: context + t])
+            runner.forward_tree(tree)  # warm-up for this shape
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runner.forward_tree(tree)
+                best = min(best, time.perf_counter() - t0)
+            table[t] = best
+        return cls(table)
+
+
+class AcceptanceModel:
+    """Per-signal acceptance of deterministic drafts: P(accept >= i) = beta * gamma**(i-1).
+
+    beta is the chance the first draft token is accepted; gamma the chance each further token is,
+    given the previous one was. Counts are censored correctly: a draft accepted in full tells
+    that the run went on at least that far, not where it would have stopped.
+    """
+
+    def __init__(self, prior_beta: float = 0.3, prior_gamma: float = 0.7, prior_weight: float = 4.0):
+        self.prior = (prior_beta, prior_gamma, prior_weight)
+        self.stats: dict[int, list[float]] = {}
+
+    def _get(self, signal: int) -> list[float]:
+        if signal not in self.stats:
+            b, g, w = self.prior
+            self.stats[signal] = [b * w, w, g * w, w]  # first: successes, trials; continuation: successes, trials
+        return self.stats[signal]
+
+    def params(self, signal: int) -> tuple[float, float]:
+        s = self._get(signal)
+        return s[0] / s[1], min(s[2] / s[3], 0.98)
+
+    def update(self, signal: int, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        s = self._get(signal)
+        s[1] += 1
+        if accepted >= 1:
+            s[0] += 1
+            s[2] += accepted - 1
+            s[3] += accepted - 1 + (1 if accepted < drafted else 0)
+
+    def expected_accepted(self, signal: int, k: int) -> float:
+        beta, gamma = self.params(signal)
+        return beta * (1 - gamma**k) / (1 - gamma)
+
+
+def best_length(acceptance: AcceptanceModel, cost: StepCost, signal: int, max_k: int) -> int:
+    """The draft length in ``[0, max_k]`` with the most expected tokens per second of target time."""
+    best_k, best_rate = 0, 1.0 / cost(1)
+    for k in range(1, max_k + 1):
+        rate = (1.0 + acceptance.expected_accepted(signal, k)) / cost(k + 1)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k

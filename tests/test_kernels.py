@@ -253,8 +253,8 @@ def test_tree_attention_rejects_bad_gqa():
 # ----------------------------------------------------------------------------------------
 
 
-def naive_ngram(seq: list[int], n_min: int, n_max: int, k: int, w: int) -> list[tuple[tuple[int, ...], int]]:
-    """[(continuation, count)] best first, by brute force over every n and start p."""
+def naive_ngram(seq: list[int], n_min: int, n_max: int, k: int, w: int) -> tuple[list[tuple[tuple[int, ...], int]], int]:
+    """([(continuation, count)] best first, matched n), by brute force over every n and start p."""
     length = len(seq)
     for n in range(n_max, n_min - 1, -1):
         if n > length:
@@ -269,19 +269,21 @@ def naive_ngram(seq: list[int], n_min: int, n_max: int, k: int, w: int) -> list[
                 latest[cont] = max(latest.get(cont, -1), p)
         if counts:
             order = sorted(counts, key=lambda c: (counts[c], latest[c]), reverse=True)
-            return [(c, counts[c]) for c in order[:k]]
-    return []
+            return [(c, counts[c]) for c in order[:k]], n
+    return [], 0
 
 
 def check_ngram(op, rows: list[list[int]], lengths: list[int], n_min, n_max, k, w, pad_len: int):
     b = len(rows)
     tokens = torch.tensor(rows, dtype=torch.int64).reshape(b, pad_len)
-    drafts, dlens, counts = op.ngram_match(tokens, torch.tensor(lengths), n_min, n_max, k, w)
+    drafts, dlens, counts, match_n = op.ngram_match(tokens, torch.tensor(lengths), n_min, n_max, k, w)
     assert drafts.shape == (b, k, w) and drafts.dtype == torch.int64
+    assert match_n.shape == (b,) and match_n.dtype == torch.int32
     assert dlens.shape == (b, k) and dlens.dtype == torch.int32
     assert counts.shape == (b, k) and counts.dtype == torch.int32
     for r in range(b):
-        want = naive_ngram(rows[r][:lengths[r]], n_min, n_max, k, w)
+        want, n = naive_ngram(rows[r][:lengths[r]], n_min, n_max, k, w)
+        assert match_n[r].item() == n, r
         for slot in range(k):
             if slot < len(want):
                 cont, cnt = want[slot]
@@ -331,13 +333,13 @@ def test_ngram_match_matches_brute_force(which, case):
 def test_ngram_match_hand_example():
     #        0  1  2  3  4  5  6  7  8  9 10 11
     seq = [1, 2, 3, 1, 2, 4, 1, 2, 3, 9, 1, 2]
-    drafts, dlens, counts = K.ngram_match(torch.tensor([seq]), torch.tensor([12]), 1, 3, 3, 2)
+    drafts, dlens, counts, _ = K.ngram_match(torch.tensor([seq]), torch.tensor([12]), 1, 3, 3, 2)
     # n = 3 ("9 1 2") never occurs earlier; n = 2 ("1 2") occurs at 0, 3, 6: continuations
     # (3, 1) at 0, (4, 1) at 3, (3, 9) at 6 -> three groups of one, most recent first.
     assert drafts[0].tolist() == [[3, 9], [4, 1], [3, 1]]
     assert dlens[0].tolist() == [2, 2, 2] and counts[0].tolist() == [1, 1, 1]
     # w = 1: (3) occurs twice and beats (4).
-    drafts, dlens, counts = K.ngram_match(torch.tensor([seq]), torch.tensor([12]), 1, 3, 3, 1)
+    drafts, dlens, counts, _ = K.ngram_match(torch.tensor([seq]), torch.tensor([12]), 1, 3, 3, 1)
     assert drafts[0].tolist() == [[3], [4], [-1]]
     assert counts[0].tolist() == [2, 1, 0] and dlens[0].tolist() == [1, 1, 0]
 
@@ -357,7 +359,7 @@ def test_ngram_match_edge_cases(which):
     for n_min, n_max in [(1, 1), (1, 4), (2, 3), (4, 7)]:
         for k, w in [(1, 1), (4, 3), (6, 8)]:
             check_ngram(op, rows, lengths, n_min, n_max, k, w, 8)
-    drafts, dlens, counts = op.ngram_match(torch.tensor(rows), torch.tensor(lengths), 1, 3, 4, 3)
+    drafts, dlens, counts, _ = op.ngram_match(torch.tensor(rows), torch.tensor(lengths), 1, 3, 4, 3)
     assert counts[0].tolist() == [0] * 4 and counts[1].tolist() == [0] * 4 and counts[3].tolist() == [0] * 4
     # All-5 row, n = 3: starts 0..4 (p + 3 < 8); continuations (5,5,5) x3 at 0..2, (5,5) at 3, (5,) at 4;
     # the two singletons tie on count, so the more recent (5,) comes first.

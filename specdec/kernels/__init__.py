@@ -84,7 +84,7 @@ def ngram_match(
     k: int,
     w: int,
     backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft continuations of each row's context suffix from its earlier occurrences.
 
     Args:
@@ -93,8 +93,9 @@ def ngram_match(
         n_min, n_max: n-gram sizes to try; the longest size with a match wins.
         k: drafts per row; w: maximum draft length.
     Returns:
-        drafts ``[B, k, w]`` int64 (-1 padded), draft lengths ``[B, k]`` int32, counts ``[B, k]`` int32.
-        Drafts are ranked by how often the continuation occurred, ties by recency.
+        drafts ``[B, k, w]`` int64 (-1 padded), draft lengths ``[B, k]`` int32, counts ``[B, k]`` int32,
+        matched n-gram size ``[B]`` int32 (0 where nothing matched). Drafts are ranked by how often
+        the continuation occurred, ties by recency.
     """
     _check(tokens.dim() == 2 and lengths.dim() == 1 and lengths.shape[0] == tokens.shape[0], "tokens [B,L], lengths [B]")
     _check(k >= 1 and w >= 1, "k and w must be >= 1")

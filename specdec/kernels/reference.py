@@ -115,7 +115,7 @@ def ngram_match(
     n_max: int,
     k: int,
     w: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Propose up to ``k`` continuations of length ``<= w`` from earlier occurrences of the context suffix.
 
     For each row, the longest ``n`` in ``[n_min, n_max]`` whose suffix n-gram ``tokens[L-n:L]``
@@ -124,8 +124,8 @@ def ngram_match(
     by count (descending), ties by recency (latest occurrence first).
 
     tokens: ``[B,L] int64`` (row b valid up to ``lengths[b]``); lengths: ``[B] int``.
-    Returns drafts ``[B,k,w] int64`` (-1 padded), draft lengths ``[B,k] int32`` and counts
-    ``[B,k] int32`` (0 for empty slots).
+    Returns drafts ``[B,k,w] int64`` (-1 padded), draft lengths ``[B,k] int32``, counts
+    ``[B,k] int32`` (0 for empty slots) and the matched n-gram size ``[B] int32`` (0: no match).
     """
     if n_min < 1 or n_max < n_min:
         raise ValueError(f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
@@ -134,6 +134,7 @@ def ngram_match(
     drafts = torch.full((b, k, w), -1, dtype=torch.int64, device=dev)
     dlens = torch.zeros(b, k, dtype=torch.int32, device=dev)
     counts = torch.zeros(b, k, dtype=torch.int32, device=dev)
+    match_n = torch.zeros(b, dtype=torch.int32, device=dev)
     ar = torch.arange(w, device=dev)
     for row in range(b):  # rows are independent; the reference keeps them simple
         length = int(lengths[row])
@@ -153,8 +154,9 @@ def ngram_match(
             drafts[row, :m] = uniq[top]
             dlens[row, :m] = (uniq[top] >= 0).sum(-1).to(torch.int32)
             counts[row, :m] = cnt[top].to(torch.int32)
+            match_n[row] = n
             break
-    return drafts, dlens, counts
+    return drafts, dlens, counts, match_n
 
 
 # ----------------------------------------------------------------------------------------
