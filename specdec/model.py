@@ -31,7 +31,8 @@ class TreeAttentionMeta:
     """What the attention function needs for one forward.
 
     cache_lens: ``[B]`` committed lengths; prefix_len: write offset (keys before it are the prefix);
-    tree_mask: packed ``[B,T,W]`` or None (causal); positions: ``[B,T]`` absolute positions.
+    tree_mask: packed ``[B,T,W]`` or None (causal); positions: ``[B,T]`` absolute positions;
+    aligned: every row's committed length equals ``prefix_len`` (known on the host).
     Dense masks are built once per forward and per window size, then shared by all layers.
     """
 
@@ -39,9 +40,14 @@ class TreeAttentionMeta:
     prefix_len: int
     tree_mask: torch.Tensor | None
     positions: torch.Tensor
+    aligned: bool = False
     _dense: dict = field(default_factory=dict)
 
-    def dense(self, window: int | None) -> torch.Tensor:
+    def dense(self, window: int | None) -> torch.Tensor | None:
+        """``[B,1,T,prefix_len+T] bool`` visibility, or None when every key is visible (one token per
+        row, rows aligned, window not reached): SDPA then takes its faster unmasked path."""
+        if self.positions.shape[1] == 1 and self.aligned and (window is None or self.prefix_len < window):
+            return None
         if window not in self._dense:
             t = self.positions.shape[1]
             self._dense[window] = tree_attention_mask(
@@ -145,7 +151,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: PreTrainedModel):
-        if not getattr(model.config, "is_decoder", True) and model.config.is_encoder_decoder:
+        if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("specdec supports decoder-only models")
         if model.config._attn_implementation != ATTN_IMPL:
             model.set_attn_implementation(ATTN_IMPL)
@@ -169,12 +175,12 @@ class ModelRunner:
         t = input_ids.shape[1]
         if self.cache.write_pos + t > self.cache.capacity:
             raise ValueError(f"{self.cache.write_pos + t} positions exceed the cache capacity {self.cache.capacity}")
-        meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions)
+        meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions, self.batch_size == 1)
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
             past_key_values=self.cache,
-            attention_mask=meta.dense(None),  # a 4-D mask makes transformers skip its own mask building
+            attention_mask=meta.dense(None),  # a 4-D mask (or None for one token) spares transformers' mask building
             use_cache=True,
             logits_to_keep=logits_to_keep,
             output_hidden_states=return_hidden,

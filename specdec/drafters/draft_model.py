@@ -30,7 +30,6 @@ class DraftModelDrafter(Drafter):
         b = state.seq.shape[0]
         self.runner.reset(b, state.seq.shape[1] + 8)
         self._seen = [0] * b
-        self.vocab = None
 
     def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.sampling.greedy:
@@ -58,8 +57,6 @@ class DraftModelDrafter(Drafter):
         self.draft_calls += 1
         tokens, probs = [], []
         for i in range(max_len):
-            if self.vocab is None:
-                self.vocab = logits.shape[-1]
             tok, q = self._pick(logits)
             tokens.append(tok)
             probs.append(q)
