@@ -1,8 +1,7 @@
 """Where the time of a speculative step goes: target forward vs everything else.
 
 Runs a method over prompts and splits the decode time after prefill into the target's forward
-passes and the rest (drafting, verification, cache commit, Python). Also reports the single-token
-target forward cost for context.
+passes and the rest (drafting, verification, cache commit, Python).
 
     python -m bench.step_split --prompts ../shared/data/dev_prompts.jsonl --per-category 2 \
         --method pld --max-new-tokens 128 --dtype bf16 [--json OUT]

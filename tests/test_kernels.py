@@ -10,41 +10,16 @@ from hypothesis import strategies as st
 
 import specdec.kernels as K
 from specdec.kernels import reference
+from tests.naive import ancestors_or_self, naive_pack, one_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 OPS = {"public": K, "reference": reference}
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many tiny ops: intra-op threads only add overhead (a lot on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------
-
-
-def naive_pack(vis: list[list[bool]]) -> list[list[int]]:
-    """Pack rows of booleans into signed int32 words (bit j of word w = column 32*w + j)."""
-    out = []
-    for row in vis:
-        words = []
-        for w in range((len(row) + 31) // 32):
-            val = sum(1 << j for j in range(32) if 32 * w + j < len(row) and row[32 * w + j])
-            words.append(val - (1 << 32) if val >= 1 << 31 else val)
-        out.append(words)
-    return out
-
-
-def ancestors_or_self(parents: list[int], i: int) -> set[int]:
-    seen, j = {i}, parents[i]
-    while j >= 0:
-        seen.add(j)
-        j = parents[j]
-    return seen
 
 
 def depth_of(parents: list[int], i: int) -> int:

@@ -8,40 +8,14 @@ from hypothesis import strategies as st
 
 from specdec.kernels import pack_mask, tree_depth, unpack_mask
 from specdec.tree import DraftTree, ancestor_mask
+from tests.naive import ancestors_or_self, naive_pack, one_thread  # noqa: F401
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many tiny ops: intra-op threads only add overhead (a lot on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------------------
 # Naive definitions (plain Python)
 # ----------------------------------------------------------------------------------------
-
-
-def naive_pack(rows: list[list[bool]]) -> list[list[int]]:
-    """Bit j of word w = column 32*w + j, as a signed (two's-complement) int32."""
-    out = []
-    for row in rows:
-        words = []
-        for w in range((len(row) + 31) // 32):
-            val = sum(1 << j for j in range(32) if 32 * w + j < len(row) and row[32 * w + j])
-            words.append(val - (1 << 32) if val >= 1 << 31 else val)
-        out.append(words)
-    return out
-
-
-def naive_ancestors_or_self(parents: list[int], i: int) -> set[int]:
-    seen = {i}
-    j = parents[i]
-    while j >= 0:
-        seen.add(j)
-        j = parents[j]
-    return seen
 
 
 def naive_depth(parents: list[int], i: int) -> int:
@@ -56,7 +30,7 @@ def naive_visibility(parents: list[int], valid: list[bool]) -> list[list[bool]]:
     t = len(parents)
     vis = [[False] * t for _ in range(t)]
     for i in range(t):
-        for j in naive_ancestors_or_self(parents, i):
+        for j in ancestors_or_self(parents, i):
             vis[i][j] = j == i or valid[j]
     return vis
 

@@ -1,0 +1,41 @@
+"""Markdown tables from a ``specdec bench --json`` file: overall and per category.
+
+    python -m bench.report bench/results/issue2_bf16.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from specdec.bench import summarize
+
+
+def markdown(result: dict) -> str:
+    runs = result["runs"]
+    cats = sorted({r["category"] for r in runs})
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    rows = ["| category | " + " | ".join(f"{m} speedup / tok per call" for m in methods) + " |",
+            "|---|" + "---|" * len(methods)]
+    for cat in cats + ["overall"]:
+        s = summarize([r for r in runs if cat == "overall" or r["category"] == cat])
+        cells = [f"{s[m]['speedup']:.2f}x / {s[m]['tokens_per_call']:.2f}" for m in methods]
+        rows.append(f"| {cat} | " + " | ".join(cells) + " |")
+    s = summarize(runs)
+    rows += ["", "| method | tok/s | speedup | tok/call | accept rate | identical |", "|---|---|---|---|---|---|"]
+    for m in methods:
+        acc = "-" if s[m]["accept_rate"] is None else f"{s[m]['accept_rate']:.2f}"
+        ident = "-" if s[m]["identical_rate"] is None else f"{s[m]['identical_rate']:.0%}"
+        rows.append(f"| {m} | {s[m]['tokens_per_second']:.1f} | {s[m]['speedup']:.2f}x | {s[m]['tokens_per_call']:.2f} "
+                    f"| {acc} | {ident} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json")
+    with open(ap.parse_args().json) as f:
+        print(markdown(json.load(f)))
+
+
+if __name__ == "__main__":
+    main()
