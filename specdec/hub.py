@@ -100,9 +100,3 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str
     model.to(device).eval()
     return model, tok
 
-
-if __name__ == "__main__":
-    import sys
-
-    for name in sys.argv[1:] or [DEFAULT_MODEL]:
-        print(f"{name}: {resolve(name)}")

@@ -46,6 +46,15 @@ class StepCost:
         self.sizes = sorted(table)
         self.table = dict(table)
 
+    def observe(self, t: int, seconds: float, weight: float = 0.2) -> None:
+        """Fold one measured forward over ``t`` tokens into the table (exponential average), so a
+        calibration skewed by a busy moment corrects itself as decoding goes on."""
+        if t in self.table:
+            self.table[t] += weight * (seconds - self.table[t])
+        else:
+            self.table[t] = seconds
+            self.sizes = sorted(self.table)
+
     def __call__(self, t: int) -> float:
         sizes = self.sizes
         if t <= sizes[0]:

@@ -45,6 +45,9 @@ class Drafter:
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int]) -> None:
         """Called after verification, once ``state`` includes the accepted tokens and the next token."""
 
+    def observe_step(self, tree_size: int, seconds: float) -> None:
+        """The measured target forward time over this step's tree (for cost-aware drafters)."""
+
 
 class NullDrafter(Drafter):
     """No drafts: every step verifies only the root (plain autoregressive decoding)."""

@@ -41,6 +41,10 @@ class PromptLookupDrafter(Drafter):
             drafts = drafts.masked_fill(cut, -1)[:, : max(1, max(keep))]
         return DraftTree.chain(state.roots, drafts)
 
+    def observe_step(self, tree_size: int, seconds: float) -> None:
+        if self.cost is not None:
+            self.cost.observe(tree_size, seconds)
+
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int]) -> None:
         if self.acceptance is None or not self._signal:
             return

@@ -1,0 +1,54 @@
+"""Draft-length policies: the cost model, the acceptance model and the choice they make."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.policies import AcceptanceModel, HeuristicLength, StaticLength, StepCost, best_length
+
+
+def test_step_cost_interpolates_and_learns():
+    cost = StepCost({1: 1.0, 3: 2.0})
+    assert cost(2) == pytest.approx(1.5) and cost(1) == 1.0 and cost(5) == pytest.approx(3.0)
+    for _ in range(50):
+        cost.observe(3, 1.0)  # the calibration overestimated T = 3
+    assert cost(3) == pytest.approx(1.0, abs=1e-3)
+    cost.observe(8, 4.0)
+    assert cost(8) == 4.0 and cost(5) == pytest.approx(2.2, abs=0.01)  # between T=3 (1.0) and T=8 (4.0)
+    with pytest.raises(ValueError):
+        StepCost({2: 1.0})
+
+
+def test_acceptance_model_is_censoring_aware():
+    acc = AcceptanceModel(prior_weight=1e-6)
+    for _ in range(100):
+        acc.update(1, drafted=4, accepted=0)
+        acc.update(1, drafted=4, accepted=4)  # full acceptance: no failure observed for continuation
+    beta, gamma = acc.params(1)
+    assert beta == pytest.approx(0.5, abs=1e-3)
+    assert gamma > 0.97  # every continuation trial succeeded (capped below 1)
+    assert acc.expected_accepted(1, 1) == pytest.approx(0.5, abs=1e-3)
+
+
+def test_best_length_follows_cost_shape():
+    acc = AcceptanceModel(prior_beta=0.4, prior_gamma=0.8)
+    flat = StepCost({1: 1.0, 16: 1.05})  # long verification nearly free: draft long
+    steep = StepCost({1: 1.0, 2: 1.02, 3: 1.05, 4: 1.6, 16: 3.0})  # a cliff after T = 3
+    assert best_length(acc, flat, 1, 10) == 10
+    assert best_length(acc, steep, 1, 10) == 2
+    hopeless = AcceptanceModel(prior_beta=0.001, prior_gamma=0.1)
+    assert best_length(hopeless, steep, 1, 10) == 0
+
+
+def test_heuristic_schedule_matches_transformers():
+    pol = HeuristicLength(5, max_k=8)
+    pol.update(5, 5)
+    assert pol.length() == 7
+    pol.update(7, 7)
+    assert pol.length() == 8
+    pol.update(8, 2)
+    assert pol.length() == 7
+    for _ in range(10):
+        pol.update(1, 0)
+    assert pol.length() == 1
+    with pytest.raises(ValueError):
+        StaticLength(0)
