@@ -16,4 +16,8 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(specdec, m) {
   m.set_python_module("specdec.kernels._fake");
   m.def("kv_compact(Tensor(a!)[] caches, Tensor src, Tensor dst_start, Tensor counts) -> ()");
+  m.def("ngram_match(Tensor tokens, Tensor lengths, int n_min, int n_max, int k, int w) -> "
+        "(Tensor drafts, Tensor draft_lens, Tensor counts, Tensor match_n)");
+  m.def("topk_entropy(Tensor logits, int k, float temperature) -> "
+        "(Tensor probs, Tensor ids, Tensor entropy, Tensor lse)");
 }

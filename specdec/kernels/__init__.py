@@ -99,7 +99,9 @@ def ngram_match(
     """
     _check(tokens.dim() == 2 and lengths.dim() == 1 and lengths.shape[0] == tokens.shape[0], "tokens [B,L], lengths [B]")
     _check(k >= 1 and w >= 1, "k and w must be >= 1")
-    choose("ngram_match", tokens.device, backend, ())
+    _check(1 <= n_min <= n_max, f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
+    if choose("ngram_match", tokens.device, backend, ("cpu",)) == "native":
+        return native_ops().ngram_match(tokens.long(), lengths.long(), n_min, n_max, k, w)
     return reference.ngram_match(tokens, lengths, n_min, n_max, k, w)
 
 
@@ -117,7 +119,9 @@ def topk_entropy(
     """
     _check(logits.dim() == 2, "logits must be [N, V]")
     _check(1 <= k <= logits.shape[1], f"k must be in [1, V], got {k}")
-    choose("topk_entropy", logits.device, backend, ())
+    _check(temperature > 0, f"temperature must be > 0, got {temperature}")
+    if choose("topk_entropy", logits.device, backend, ("cpu",)) == "native":
+        return native_ops().topk_entropy(logits, k, float(temperature))
     return reference.topk_entropy(logits, k, temperature)
 
 

@@ -13,3 +13,31 @@ def _kv_compact_fake(
     caches: list[torch.Tensor], src: torch.Tensor, dst_start: torch.Tensor, counts: torch.Tensor
 ) -> None:
     """Mutates ``caches`` (``[B, H, S, D]`` each) in place and returns nothing: nothing to fake."""
+
+
+@torch.library.register_fake("specdec::ngram_match")
+def _ngram_match_fake(
+    tokens: torch.Tensor, lengths: torch.Tensor, n_min: int, n_max: int, k: int, w: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """drafts ``[B, k, w]`` int64, draft lengths and counts ``[B, k]`` int32, matched n ``[B]`` int32."""
+    b = tokens.shape[0]
+    return (
+        tokens.new_empty((b, k, w), dtype=torch.int64),
+        tokens.new_empty((b, k), dtype=torch.int32),
+        tokens.new_empty((b, k), dtype=torch.int32),
+        tokens.new_empty((b,), dtype=torch.int32),
+    )
+
+
+@torch.library.register_fake("specdec::topk_entropy")
+def _topk_entropy_fake(
+    logits: torch.Tensor, k: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """probs ``[N, k]`` fp32, ids ``[N, k]`` int64, entropy and logsumexp ``[N]`` fp32."""
+    n = logits.shape[0]
+    return (
+        logits.new_empty((n, k), dtype=torch.float32),
+        logits.new_empty((n, k), dtype=torch.int64),
+        logits.new_empty((n,), dtype=torch.float32),
+        logits.new_empty((n,), dtype=torch.float32),
+    )
