@@ -1,0 +1,35 @@
+"""The bench harness on tiny models: every method, including transformers' assisted generation."""
+from __future__ import annotations
+
+import pytest
+
+from specdec.api import SpecDecoder
+from specdec.bench import Prompt, format_table, run_bench
+from tests.conftest import tiny_model
+from tests.test_greedy_lossless import perturbed, prompt_of
+
+
+def test_run_bench_all_methods_identical_and_counted():
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6))
+    prompts = [Prompt(f"p{n}", "cat", prompt_of(n, seed=n)) for n in (5, 14)]
+    res = run_bench(dec, ["hf-pld", "hf-assisted", "ar", "pld", "sd"], prompts, 12, progress=False)
+    s = res["summary"]
+    assert list(s) == ["hf", "hf-pld", "hf-assisted", "ar", "pld", "sd"]
+    assert all(s[m]["identical_rate"] == 1.0 for m in s)
+    runs = {(r["method"], r["prompt_id"]): r for r in res["runs"]}
+    for p in prompts:
+        assert runs[("hf", p.id)]["target_calls"] == runs[("hf", p.id)]["new_tokens"]  # one forward per token
+        assert runs[("sd", p.id)]["draft_calls"] > 0 and runs[("hf-assisted", p.id)]["draft_calls"] > 0
+        assert runs[("ar", p.id)]["draft_calls"] == 0
+    assert s["sd"]["accept_rate"] is not None and s["hf-assisted"]["accept_rate"] is None
+    assert "hf-assisted" in format_table(res)
+
+
+def test_run_bench_rejects_unknown_or_draftless_methods():
+    dec = SpecDecoder(tiny_model("llama"))
+    prompts = [Prompt("p", "cat", prompt_of(4))]
+    with pytest.raises(ValueError, match="unknown method"):
+        run_bench(dec, ["medusa"], prompts, 4, progress=False)
+    with pytest.raises(ValueError, match="needs --draft"):
+        run_bench(dec, ["hf-assisted"], prompts, 4, progress=False)
