@@ -7,15 +7,17 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate
-from specdec.drafters import DraftModelDrafter, PromptLookupDrafter
+from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDrafter
 from specdec.hub import DEFAULT_MODEL, load_model
 from specdec.model import ModelRunner
+from specdec.ngram_tables import NGramTables, load_tables
 from specdec.policies import AcceptanceModel, HeuristicLength, StaticLength, StepCost
 from specdec.verify import SamplingConfig
 
-METHODS = ("ar", "sd", "pld")
+METHODS = ("ar", "sd", "pld", "ngrammys")
 NEEDS_DRAFT = {"sd"}
-SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic")}
+SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic"), "ngrammys": ("static",)}
+NGRAMMYS_DEFAULTS = {"k": 10, "w": 10, "q": 1, "strategy": "mixed", "verify": "tree"}
 
 
 @dataclass
@@ -70,6 +72,14 @@ class SpecDecoder:
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None
         self._pld_acceptance = AcceptanceModel()  # learned across calls: one model, one workload
+        self._ngram_tables: NGramTables | None = None
+
+    def ngram_tables(self) -> NGramTables:
+        """The target's unigram and bigram tables (computed once per model, then read from disk)."""
+        if self._ngram_tables is None:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            self._ngram_tables = load_tables(self.model, k_max=min(32, vocab))
+        return self._ngram_tables
 
     def step_cost(self) -> StepCost:
         """The target's measured step cost per tree size (calibrated on first use, about 30 forwards)."""
@@ -95,7 +105,10 @@ class SpecDecoder:
         pld: ``num_tokens`` (10), ``n_min`` (1), ``n_max`` (4), ``schedule``: ``cost`` (default: each draft
         cut to the length with the most expected tokens per second, from the measured step cost and the
         acceptance learned per matched n-gram size), ``static`` or transformers' ``heuristic``;
-        sd: ``draft_length`` (5), ``schedule`` ``static`` (default) or ``heuristic``."""
+        sd: ``draft_length`` (5), ``schedule`` ``static`` (default) or ``heuristic``;
+        ngrammys: ``k`` drafts of ``w`` tokens, context query length ``q``, ``strategy`` (``mixed``,
+        ``context``, ``bigram``) and ``verify`` (``tree``, ``batch``, ``chain``); defaults in
+        ``NGRAMMYS_DEFAULTS``."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
         if method in NEEDS_DRAFT and self.draft_runner is None:
@@ -116,6 +129,15 @@ class SpecDecoder:
             adaptive = {"cost": self.step_cost(), "acceptance": self._pld_acceptance} if schedule == "cost" else {}
             drafter = PromptLookupDrafter(**options, **adaptive)
             k = drafter.num_tokens
+        elif method == "ngrammys":
+            unknown = set(options) - set(NGRAMMYS_DEFAULTS)
+            if unknown:
+                raise ValueError(f"unknown options for 'ngrammys': {sorted(unknown)}")
+            opts = {**NGRAMMYS_DEFAULTS, **options}
+            tables = self.ngram_tables() if opts["strategy"] != "context" else NGramTables(
+                torch.zeros(1, opts["k"], dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+            drafter = NGrammysDrafter(tables, **opts)
+            k = drafter.w
         else:
             k = options.pop("draft_length", 5)
             if options:

@@ -36,6 +36,7 @@ class DecodeStats:
     draft_s: float = 0.0
     total_s: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
+    drafter: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -174,6 +175,7 @@ def speculative_generate(
         drafter.update(state, tree, path, lens)
         stats.draft_s += time.perf_counter() - td
     stats.draft_calls = drafter.draft_calls
+    stats.drafter = drafter.summary()
     stats.total_s = time.perf_counter() - t0
     return DecodeResult(out.tokens, stats)
 

@@ -115,6 +115,55 @@ class DraftTree:
         dev = root.device
         return cls.from_parents(tokens.to(dev), parents.to(dev), valid.to(dev))
 
+    @classmethod
+    def from_drafts(cls, root: torch.Tensor, drafts: torch.Tensor, merge: bool = True) -> tuple["DraftTree", torch.Tensor]:
+        """Several chains per row as one tree, vectorised (no Python loop over rows or nodes).
+
+        root: ``[B]``; drafts: ``[B,k,w] int64``, each chain -1 padded at its end (an empty slot is
+        all -1). ``merge=True`` builds the trie (chains sharing a prefix share its nodes);
+        ``merge=False`` keeps every chain as its own branch under the root (the paper's k batch
+        rows, minus the k-1 copies of the root). Node order is chain-major, so the chain listed
+        first keeps the lowest indices (verification tries siblings in index order).
+
+        Returns the tree and ``[B,T] int64`` the first chain through each node (-1 at the root and
+        at padding).
+        """
+        b, k, w = drafts.shape
+        dev = drafts.device
+        valid = (drafts >= 0).cumprod(-1).bool()  # [B,k,w]: a chain ends at its first padding
+        ar_k = torch.arange(k, device=dev)
+        if merge:
+            same = (drafts[:, :, None, :] == drafts[:, None, :, :]).cumprod(-1).bool()  # [B,k,k,w] equal prefixes
+            same &= valid[:, :, None, :] & valid[:, None, :, :]
+            first = torch.where(same, ar_k[None, None, :, None], k).amin(2)  # [B,k,w] first chain with this prefix
+            owner = first.clamp(max=k - 1)
+        else:
+            owner = ar_k[None, :, None].expand(b, k, w)
+        exists = valid & (owner == ar_k[None, :, None])  # one node per distinct (prefix, depth)
+        flat_exists = exists.reshape(b, k * w)
+        index = flat_exists.long().cumsum(-1).reshape(b, k, w)  # node index (root = 0) where exists
+        t = int(index[:, -1, -1].max()) + 1 if k * w else 1
+        # parent of (i, d) is the node of (owner[i, d-1], d-1); at d = 0 the root.
+        flat_parent = owner[:, :, :-1] * w + torch.arange(w - 1, device=dev)
+        parent_idx = index.reshape(b, k * w).gather(1, flat_parent.reshape(b, -1)).reshape(b, k, w - 1)
+        parents_kw = torch.cat([torch.zeros(b, k, 1, dtype=torch.int64, device=dev), parent_idx], dim=-1)
+        tokens = torch.zeros(b, t, dtype=torch.int64, device=dev)
+        parents = torch.zeros(b, t, dtype=torch.int64, device=dev)
+        chain = torch.full((b, t), -1, dtype=torch.int64, device=dev)
+        node_valid = torch.zeros(b, t, dtype=torch.bool, device=dev)
+        dst = torch.where(exists, index, 0).reshape(b, k * w)
+        src_ok = flat_exists
+        tokens.scatter_(1, dst, torch.where(src_ok, drafts.reshape(b, -1), 0))
+        parents.scatter_(1, dst, torch.where(src_ok, parents_kw.reshape(b, -1), 0))
+        chain.scatter_(1, dst, torch.where(src_ok, ar_k[None, :, None].expand(b, k, w).reshape(b, -1), -1))
+        node_valid.scatter_(1, dst, src_ok)
+        # Slot 0 received the scatter of every non-existing (i, d); reset it to the root.
+        tokens[:, 0] = root
+        parents[:, 0] = -1
+        chain[:, 0] = -1
+        node_valid[:, 0] = True
+        return cls.from_parents(tokens, parents, node_valid), chain
+
     def positions(self, cache_lens: torch.Tensor) -> torch.Tensor:
         """Absolute positions ``[B,T]`` of the nodes, given committed lengths ``[B]``."""
         return cache_lens[:, None] + self.depth

@@ -1,12 +1,20 @@
 """Shared fixtures: tiny random-initialised causal LMs of several architectures."""
 from __future__ import annotations
 
+# Triton kernels run in its CPU interpreter in tests; this must precede any triton import.
+__import__("os").environ.setdefault("TRITON_INTERPRET", "1")
+
 import functools
+import os
+import tempfile
 
 import pytest
 import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                           LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+# Tests build n-gram tables for throwaway models: keep them out of the user's cache.
+os.environ.setdefault("SPECDEC_TABLES_CACHE", tempfile.mkdtemp(prefix="specdec-tables-"))
 
 ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
 

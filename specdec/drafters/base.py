@@ -48,6 +48,10 @@ class Drafter:
     def observe_step(self, tree_size: int, seconds: float) -> None:
         """The measured target forward time over this step's tree (for cost-aware drafters)."""
 
+    def summary(self) -> dict:
+        """Drafter-specific statistics of the last generation (JSON-serialisable)."""
+        return {}
+
 
 class NullDrafter(Drafter):
     """No drafts: every step verifies only the root (plain autoregressive decoding)."""

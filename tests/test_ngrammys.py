@@ -1,0 +1,136 @@
+"""N-Grammys: lossless greedy decoding, model-derived tables, table cache, trie/forest building."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec import ngram_tables
+from specdec.api import SpecDecoder, hf_generate
+from specdec.ngram_tables import bigram_topk, extend_bigram, load_tables, unigram_ranking, weights_key
+from specdec.tree import DraftTree
+from specdec.verify import SamplingConfig
+from tests.conftest import tiny_model
+from tests.test_greedy_lossless import prompt_of
+
+GREEDY = SamplingConfig()
+REPETITIVE = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8, 5, 6]
+
+
+@pytest.mark.parametrize("verify", ["tree", "batch", "chain"])
+def test_ngrammys_matches_transformers(arch, verify):
+    dec = SpecDecoder(tiny_model(arch))
+    accepted = 0
+    for prompt in (prompt_of(1, seed=1), prompt_of(45, seed=45), REPETITIVE):
+        ref = hf_generate(dec.model, prompt, 40, GREEDY)  # greedy: shorter runs are its prefixes
+        for strategy in ("mixed", "context", "bigram"):
+            for max_new in (1, 7, 40):  # 7 with w = 4 cuts drafts in the middle
+                out = dec.generate_ids([prompt], "ngrammys", max_new, GREEDY, k=5, w=4, strategy=strategy, verify=verify)
+                assert out.tokens[0] == ref[:max_new], (strategy, len(prompt), max_new)
+                accepted += out.stats.accepted_tokens
+    assert accepted > 0  # speculation did happen somewhere
+
+
+def test_ngrammys_ragged_batch():
+    dec = SpecDecoder(tiny_model("llama"))
+    prompts = [REPETITIVE, prompt_of(3, seed=3), prompt_of(30, seed=30)]
+    out = dec.generate_ids(prompts, "ngrammys", 25, GREEDY, k=6, w=3)
+    for p, toks in zip(prompts, out.tokens):
+        assert toks == hf_generate(dec.model, p, 25, GREEDY)
+    alloc = out.stats.drafter["allocation"]
+    assert alloc["steps"] > 0 and alloc["context_slots"] + alloc["bigram_slots"] == 6 * alloc["steps"]
+
+
+def test_ngrammys_options_are_checked():
+    dec = SpecDecoder(tiny_model("llama"))
+    for bad in ({"k": 0}, {"strategy": "unigram"}, {"verify": "dense"}, {"kk": 3}, {"k": 64}):
+        with pytest.raises(ValueError):
+            dec.generate_ids([[3, 4]], "ngrammys", 4, GREEDY, **bad)
+
+
+def test_unigram_ranking_by_hand():
+    # E^T E / V = I / 2, mean output embedding (1, -0.5): squared distances .625, .125, 2.125, 1.625.
+    e = torch.tensor([[2**0.5, 0.0], [0.0, 2**0.5], [0.0, 0.0], [0.0, 0.0]])
+    u = torch.tensor([[0.0, 0.0], [1.0, 0.0], [3.0, 0.0], [0.0, -2.0]])
+    assert unigram_ranking(e, u).tolist() == [1, 0, 3, 2]
+
+
+def shift_model(v: int = 8) -> LlamaForCausalLM:
+    """A layer-free model whose logits after token x rank x+1, x+2, ... (mod v) highest, in that order."""
+    cfg = LlamaConfig(vocab_size=v, hidden_size=v, intermediate_size=8, num_hidden_layers=0, num_attention_heads=1,
+                      num_key_value_heads=1, tie_word_embeddings=False, max_position_embeddings=16)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(v))
+        x, y = torch.meshgrid(torch.arange(v), torch.arange(v), indexing="xy")  # weight[y, x]
+        model.lm_head.weight.copy_(-((y - x - 1) % v).float())
+    return model
+
+
+def test_bigram_table_by_hand():
+    v = 8
+    big = bigram_topk(shift_model(v), k=3, batch_size=3)
+    assert big.tolist() == [[(x + 1) % v, (x + 2) % v, (x + 3) % v] for x in range(v)]
+    ext = extend_bigram(big, 4)
+    assert ext.shape == (v, 3, 4)
+    assert ext[2].tolist() == [[3, 4, 5, 6], [4, 5, 6, 7], [5, 6, 7, 0]]
+
+
+def test_bigram_table_equals_one_forward_per_token():
+    model = tiny_model("qwen2")
+    big = bigram_topk(model, k=5, batch_size=7)
+    with torch.no_grad():
+        for x in (0, 13, 95):
+            logits = model(input_ids=torch.tensor([[x]])).logits[0, -1]
+            assert big[x].tolist() == logits.topk(5).indices.tolist()
+
+
+def test_table_cache_reused_and_invalidated(tmp_path, monkeypatch):
+    model = tiny_model("llama", seed=3)
+    calls = []
+    real = ngram_tables.compute_tables
+    monkeypatch.setattr(ngram_tables, "compute_tables", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    first = load_tables(model, k_max=4, cache=tmp_path, progress=False)
+    again = load_tables(model, k_max=4, cache=tmp_path, progress=False)
+    assert len(calls) == 1 and torch.equal(first.bigram, again.bigram)
+    changed = tiny_model("llama", seed=3).__class__._from_config(model.config, attn_implementation="sdpa").eval()
+    changed.load_state_dict(model.state_dict())
+    assert weights_key(changed) == weights_key(model)
+    with torch.no_grad():
+        changed.lm_head.weight[0, 0] += 1e-3
+    assert weights_key(changed) != weights_key(model)
+    load_tables(changed, k_max=4, cache=tmp_path, progress=False)
+    assert len(calls) == 2 and len(list(tmp_path.iterdir())) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 6), st.integers(1, 5), st.integers(2, 4), st.integers(0, 10**6))
+def test_from_drafts_builds_trie_and_forest(b, k, w, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.randint(0, vocab, (b, k, w), generator=g)
+    cut = torch.randint(0, w + 1, (b, k), generator=g)  # chain lengths, 0 = empty slot
+    drafts = torch.where(torch.arange(w)[None, None] < cut[:, :, None], drafts, -1)
+    root = torch.randint(0, vocab, (b,), generator=g)
+    chains = [[[t for t in c if t >= 0] for c in row] for row in drafts.tolist()]
+    trie, owner = DraftTree.from_drafts(root, drafts, merge=True)
+    ref = DraftTree.from_chains(root, chains)
+    n = ref.valid.sum(-1)
+    assert torch.equal(trie.valid.sum(-1), n)
+    for r in range(b):
+        m = int(n[r])
+        assert trie.tokens[r, :m].tolist() == ref.tokens[r, :m].tolist()
+        assert trie.parents[r, :m].tolist() == ref.parents[r, :m].tolist()
+    forest, chain_of = DraftTree.from_drafts(root, drafts, merge=False)
+    assert torch.equal(forest.valid.sum(-1), 1 + cut.sum(-1))
+    for tree, of in ((trie, owner), (forest, chain_of)):
+        for r in range(b):
+            for i, c in enumerate(chains[r]):
+                node = 0  # walk chain i down the tree: every step must find a child with its token
+                for tok in c:
+                    kids = [j for j in range(tree.size) if tree.valid[r, j] and tree.parents[r, j] == node
+                            and tree.tokens[r, j] == tok]
+                    assert len(kids) >= 1
+                    node = min(kids, key=lambda j: int(of[r, j]) if int(of[r, j]) == i else 10**6 + j)
+                    assert int(of[r, node]) <= i
