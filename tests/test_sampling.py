@@ -376,7 +376,7 @@ def e2e_decoder():
 
 def e2e_pvalues(dec: SpecDecoder, method: str, config: str, eos: bool, rows: int = E2E_ROWS):
     dec.eos = {EOS} if eos else set()
-    opts = {"draft_length": 2} if method == "sd" else {}
+    opts = {"sd": {"draft_length": 2}, "ngrammys": {"k": 3, "w": 2}}.get(method, {})
     out, drafted, accepted = [], 0, 0
     for chunk in range(rows // E2E_CHUNK):
         cfg = SamplingConfig(seed=1000 * chunk + 17, **E2E_CONFIGS[config])
@@ -395,6 +395,8 @@ def e2e_pvalues(dec: SpecDecoder, method: str, config: str, eos: bool, rows: int
     *[(m, c, False) for m in ("ar", "pld", "sd") for c in E2E_CONFIGS],
     ("pld", "temp0.8", True),
     ("sd", "temp0.8", True),
+    ("ngrammys", "topk6-topp0.85", False),
+    ("ngrammys", "temp0.8", True),
 ])
 def test_generate_sampling_is_lossless(e2e_decoder, method, config, eos):
     """The first four new tokens of ``generate_ids`` follow the target's processed distribution."""
