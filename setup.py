@@ -4,13 +4,17 @@ torch is not a declared dependency: bring your own and build against it with
 ``pip install --no-build-isolation -e .``. The extension is CPU-only (``CppExtension``) unless
 torch was built with CUDA and a CUDA toolkit is found, in which case ``csrc/*.cu`` are compiled too.
 """
+import sys
 from glob import glob
 
 import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-CXX_FLAGS = ["-O3", "-std=c++20"]
+# at::parallel_for is a header template: under torch's OpenMP backend it only runs in parallel when
+# the extension itself is compiled with OpenMP (at run time it shares torch's own libgomp.so.1).
+OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
+CXX_FLAGS = ["-O3", "-std=c++20", *OPENMP]
 
 
 def extension():
@@ -20,8 +24,9 @@ def extension():
             "specdec._C",
             sources + sorted(glob("csrc/*.cu")),
             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "-std=c++20"]},
+            extra_link_args=OPENMP,
         )
-    return CppExtension("specdec._C", sources, extra_compile_args={"cxx": CXX_FLAGS})
+    return CppExtension("specdec._C", sources, extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=OPENMP)
 
 
 setup(
@@ -30,7 +35,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["specdec", "specdec.*"]) + ["specdec.triton_kernels"],
     package_dir={"specdec.triton_kernels": "kernels"},
-    package_data={"specdec": ["data/*.jsonl"]},
+    package_data={"specdec": ["data/*.jsonl", "data/drafts/*/*"]},
     install_requires=["transformers>=5.0", "tqdm", "safetensors", "numpy"],
     entry_points={"console_scripts": ["specdec = specdec.cli:main"]},
     ext_modules=[extension()],

@@ -20,4 +20,8 @@ TORCH_LIBRARY(specdec, m) {
         "(Tensor drafts, Tensor draft_lens, Tensor counts, Tensor match_n)");
   m.def("topk_entropy(Tensor logits, int k, float temperature) -> "
         "(Tensor probs, Tensor ids, Tensor entropy, Tensor lse)");
+  m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, Tensor k_tree, Tensor v_tree, "
+        "Tensor? tree_mask, float? scale=None, Tensor? tree_positions=None, int? window=None) -> Tensor");
+  m.def("tree_verify_greedy(Tensor tokens, Tensor parents, Tensor target_logits, Tensor? valid=None) -> "
+        "(Tensor path, Tensor length, Tensor next_token)");
 }

@@ -8,9 +8,16 @@ mask and positions) reaches the attention function as a forward kwarg.
 Layout of the cache, per row ``b``: positions ``[0, lengths[b])`` hold committed tokens. A forward
 writes its ``T`` tokens at the common offset ``write_pos = max(lengths)``; :meth:`ModelRunner.commit`
 then moves the accepted nodes to ``lengths[b] ...`` with one KV-compaction call over all layers.
+
+Attention over that layout has two implementations (``ModelRunner(attention=...)``, default from
+``$SPECDEC_ATTN``): ``"kernel"`` calls :func:`specdec.kernels.tree_attention` with the prefix
+``[0, write_pos)`` (valid up to ``lengths[b]``) and the tree ``[write_pos, write_pos + T)`` as
+separate operands, so no dense mask is built; ``"sdpa"`` builds one dense ``[B,1,T,write_pos+T]``
+mask per forward and calls SDPA (the fallback where no tree-attention kernel is built).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +31,18 @@ from specdec.kernels.reference import tree_attention_mask
 from specdec.tree import DraftTree
 
 ATTN_IMPL = "specdec"
+ATTENTIONS = ("kernel", "sdpa")
+
+
+def default_attention(device: torch.device) -> str:
+    """``$SPECDEC_ATTN`` if set, else ``"kernel"`` where a tree-attention kernel exists for ``device``
+    (the torch reference would be slower than the dense-mask SDPA path), else ``"sdpa"``."""
+    env = os.environ.get("SPECDEC_ATTN")
+    if env:
+        if env not in ATTENTIONS:
+            raise ValueError(f"SPECDEC_ATTN={env!r}; expected one of {ATTENTIONS}")
+        return env
+    return "kernel" if device.type != "cpu" or kernels.has_native("tree_attention") else "sdpa"
 
 
 @dataclass
@@ -32,8 +51,9 @@ class TreeAttentionMeta:
 
     cache_lens: ``[B]`` committed lengths; prefix_len: write offset (keys before it are the prefix);
     tree_mask: packed ``[B,T,W]`` or None (causal); positions: ``[B,T]`` absolute positions;
-    aligned: every row's committed length equals ``prefix_len`` (known on the host).
-    Dense masks are built once per forward and per window size, then shared by all layers.
+    aligned: every row's committed length equals ``prefix_len`` (known on the host);
+    attention: ``"kernel"`` or ``"sdpa"`` (see the module docstring).
+    Dense masks (``"sdpa"``) are built once per forward and per window size, then shared by all layers.
     """
 
     cache_lens: torch.Tensor
@@ -41,12 +61,28 @@ class TreeAttentionMeta:
     tree_mask: torch.Tensor | None
     positions: torch.Tensor
     aligned: bool = False
+    attention: str = "sdpa"
     _dense: dict = field(default_factory=dict)
+
+    def all_visible(self, window: int | None) -> bool:
+        """One token per row, rows aligned, window not reached: every key is visible."""
+        return self.positions.shape[1] == 1 and self.aligned and (window is None or self.prefix_len < window)
+
+    def model_mask(self) -> torch.Tensor | None:
+        """The ``attention_mask`` handed to the model: a 4-D mask, which transformers passes through
+        instead of building its own, or None when every key is visible. The kernel path never reads
+        it, so it gets a broadcast view of one element."""
+        if self.all_visible(None):
+            return None
+        if self.attention == "sdpa":
+            return self.dense(None)
+        b, t = self.positions.shape
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.positions.device).expand(b, 1, t, self.prefix_len + t)
 
     def dense(self, window: int | None) -> torch.Tensor | None:
         """``[B,1,T,prefix_len+T] bool`` visibility, or None when every key is visible (one token per
         row, rows aligned, window not reached): SDPA then takes its faster unmasked path."""
-        if self.positions.shape[1] == 1 and self.aligned and (window is None or self.prefix_len < window):
+        if self.all_visible(window):
             return None
         if window not in self._dense:
             t = self.positions.shape[1]
@@ -65,6 +101,12 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
     if meta is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     window = kwargs.get("sliding_window")
+    if meta.attention == "kernel" and not meta.all_visible(window):
+        p = meta.prefix_len
+        out = kernels.tree_attention(
+            query, key[:, :, :p], value[:, :, :p], meta.cache_lens, key[:, :, p:], value[:, :, p:], meta.tree_mask,
+            scaling, meta.positions if window is not None else None, window)
+        return out.transpose(1, 2).contiguous(), None
     mask = meta.dense(window)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
@@ -150,7 +192,8 @@ class ModelRunner:
     State: ``lengths [B]`` committed KV per row. The caller keeps the tokens; the runner keeps KV.
     """
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, attention: str | None = None):
+        """attention: ``"kernel"`` or ``"sdpa"`` (default: :func:`default_attention`)."""
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("specdec supports decoder-only models")
         if model.config._attn_implementation != ATTN_IMPL:
@@ -159,6 +202,9 @@ class ModelRunner:
         self.config = model.config.get_text_config()
         self.max_positions = getattr(self.config, "max_position_embeddings", None) or 2**31
         self.device = model.device
+        self.attention = attention or default_attention(self.device)
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTIONS}")
         self._pool: dict = {}
         self.reset(1, 0)
 
@@ -175,12 +221,13 @@ class ModelRunner:
         t = input_ids.shape[1]
         if self.cache.write_pos + t > self.cache.capacity:
             raise ValueError(f"{self.cache.write_pos + t} positions exceed the cache capacity {self.cache.capacity}")
-        meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions, self.batch_size == 1)
+        meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions, self.batch_size == 1,
+                                 self.attention)
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
             past_key_values=self.cache,
-            attention_mask=meta.dense(None),  # a 4-D mask (or None for one token) spares transformers' mask building
+            attention_mask=meta.model_mask(),  # a 4-D mask (or None for one token) spares transformers' mask building
             use_cache=True,
             logits_to_keep=logits_to_keep,
             output_hidden_states=return_hidden,

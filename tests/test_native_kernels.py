@@ -1,4 +1,4 @@
-"""The native CPU ``specdec::ngram_match`` and ``specdec::topk_entropy`` against the torch references."""
+"""The native CPU operators (``torch.ops.specdec.*``) against the torch references."""
 from __future__ import annotations
 
 import math
@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specdec.kernels as K
+from specdec.kernels import reference
 from specdec.kernels._dispatch import native_ops
 
 ops = native_ops()
@@ -108,12 +109,16 @@ def assert_topk_entropy_close(logits, k, temperature):
     r_probs, r_ids, r_entropy, r_lse = K.topk_entropy(logits, k, temperature, backend="torch")
     assert (probs.dtype, ids.dtype, entropy.dtype, lse.dtype) == (torch.float32, torch.int64, torch.float32, torch.float32)
     assert probs.shape == ids.shape == (logits.shape[0], k) and entropy.shape == lse.shape == (logits.shape[0],)
+    # The reference's log-probabilities x - lse are fp32: they carry lse's rounding, ulp(|lse|), into
+    # the probabilities (relative) and the entropy (absolute).
+    lse_ulp = 2 * torch.finfo(torch.float32).eps * float(r_lse.abs().max())
+    rtol = 1e-5 + lse_ulp
     torch.testing.assert_close(lse, r_lse, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(entropy, r_entropy, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(probs, r_probs, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(entropy, r_entropy, rtol=1e-5, atol=1e-5 + lse_ulp)
+    torch.testing.assert_close(probs, r_probs, rtol=rtol, atol=1e-7)
     # ids up to ties: distinct, and the reference's probabilities at them are the returned values.
     full = torch.softmax(logits.float() / temperature, dim=-1)
-    torch.testing.assert_close(full.gather(1, ids), probs, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(full.gather(1, ids), probs, rtol=rtol, atol=1e-7)
     for r in range(logits.shape[0]):
         assert len(set(ids[r].tolist())) == k
     assert bool((probs[:, :-1] >= probs[:, 1:]).all())
@@ -200,3 +205,251 @@ def test_native_ops_opcheck():
     tokens, lengths = torch.randint(0, 4, (3, 30), generator=g), torch.tensor([30, 12, 2])
     torch.library.opcheck(ops.ngram_match.default, (tokens, lengths, 1, 3, 4, 5))
     torch.library.opcheck(ops.topk_entropy.default, (torch.randn(4, 100, generator=g), 3, 0.8))
+
+
+# ----------------------------------------------------------------------------------------
+# tree_attention
+# ----------------------------------------------------------------------------------------
+
+needs_tree_ops = pytest.mark.skipif(
+    not (hasattr(ops, "tree_attention") and hasattr(ops, "tree_verify_greedy")),
+    reason="specdec._C predates the tree kernels: rebuild it",
+)
+ATTN_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
+            torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """``[T, T] bool``: row i sees node i and its ancestors."""
+    t = len(parents)
+    vis = torch.zeros(t, t, dtype=torch.bool)
+    for i in range(t):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+    return vis
+
+
+def tree_parents(kind: str, t: int, rng: torch.Generator) -> list[int]:
+    if kind == "chain":
+        return list(range(-1, t - 1))
+    if kind == "bushy":
+        return [-1] + [0] * (t - 1)
+    return [-1] + [int(torch.randint(0, i, (1,), generator=rng)) for i in range(1, t)]
+
+
+def attention_inputs(b, hkv, group, d, t, s, lens, kind, dtype, seed, strided=False):
+    """Random inputs; cache slots past ``lens[b]`` hold NaN, which the kernel must never read."""
+    g = torch.Generator().manual_seed(seed)
+    hq = hkv * group
+    if strided:  # q as transformers hands it over ([B, T, Hq, D] transposed), caches as views of a larger buffer
+        q = torch.randn(b, t, hq, d, generator=g).transpose(1, 2)
+        big = torch.randn(b, hkv, s + t + 5, d, generator=g)
+        k_cache, k_tree = big[:, :, :s], big[:, :, s + 3:s + 3 + t]
+        big_v = torch.randn(b, hkv, s + t + 5, d, generator=g)
+        v_cache, v_tree = big_v[:, :, :s], big_v[:, :, s + 3:s + 3 + t]
+    else:
+        q = torch.randn(b, hq, t, d, generator=g)
+        k_cache, v_cache = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+        k_tree, v_tree = torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g)
+    q, k_cache, v_cache, k_tree, v_tree = (x.to(dtype) for x in (q, k_cache, v_cache, k_tree, v_tree))
+    clean = [k_cache.clone(), v_cache.clone()]
+    for r in range(b):
+        for c in clean:
+            c[r, :, lens[r]:] = 0
+        k_cache[r, :, lens[r]:] = float("nan")
+        v_cache[r, :, lens[r]:] = float("nan")
+    if kind is None:
+        mask, parents = None, [list(range(-1, t - 1)) for _ in range(b)]
+    else:
+        parents = [tree_parents(kind, t, g) for _ in range(b)]
+        mask = K.pack_mask(torch.stack([ancestor_mask(p) for p in parents]))
+    depth = torch.stack([K.tree_depth(torch.tensor([p]))[0] for p in parents])
+    positions = torch.tensor(lens)[:, None] + depth
+    return q, k_cache, v_cache, clean, k_tree, v_tree, mask, positions
+
+
+def assert_tree_attention_close(b, hkv, group, d, t, s, lens, kind, dtype, seed, window=None, scale=None,
+                                strided=False):
+    q, k_cache, v_cache, clean, k_tree, v_tree, mask, positions = attention_inputs(
+        b, hkv, group, d, t, s, lens, kind, dtype, seed, strided)
+    pos = positions if window is not None else None
+    cache_lens = torch.tensor(lens, dtype=torch.int64)
+    got = K.tree_attention(q, k_cache, v_cache, cache_lens.int(), k_tree, v_tree, mask, scale, pos, window,
+                           backend="cpp")
+    assert got.dtype == dtype and got.shape == (b, hkv * group, t, d) and got.is_contiguous()
+    f = lambda x: x.float()  # noqa: E731  (the reference in fp32: the kernel accumulates in fp32)
+    want = reference.tree_attention(f(q), f(clean[0]), f(clean[1]), cache_lens, f(k_tree), f(v_tree), mask, scale,
+                                    pos, window)
+    torch.testing.assert_close(got.float(), want, **ATTN_TOL[dtype])
+
+
+@needs_tree_ops
+@settings(max_examples=150, deadline=None)
+@given(
+    b=st.integers(1, 3), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 3, 4, 8]),
+    d=st.sampled_from([4, 16, 24, 64]), t=st.integers(1, 70), s=st.integers(0, 40), data=st.data(),
+    kind=st.sampled_from([None, "chain", "bushy", "random"]),
+    dtype=st.sampled_from([torch.float32, torch.float32, torch.bfloat16, torch.float16]),
+    scale=st.sampled_from([None, 0.3]), strided=st.booleans(), seed=st.integers(0, 2**31 - 1),
+)
+def test_tree_attention_native_matches_reference(b, hkv, group, d, t, s, data, kind, dtype, scale, strided, seed):
+    lens = [data.draw(st.integers(0, s)) for _ in range(b)]
+    window = data.draw(st.one_of(st.none(), st.integers(1, s + t + 1)))
+    assert_tree_attention_close(b, hkv, group, d, t, s, lens, kind, dtype, seed, window, scale, strided)
+
+
+@needs_tree_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "b,hkv,group,d,t,s,lens,kind,window",
+    [
+        (1, 3, 3, 64, 64, 1024, [1024], "random", None),  # the benchmark shape: several prefix chunks
+        (2, 2, 4, 128, 33, 1100, [1100, 517], "bushy", None),  # D = 128, ragged rows across a chunk edge
+        (3, 1, 2, 64, 1, 20, [0, 20, 7], None, None),  # T = 1, one row with an empty cache
+        (2, 1, 1, 8, 1, 0, [0, 0], "chain", None),  # nothing cached at all
+        (1, 2, 2, 16, 96, 600, [600], "chain", 300),  # long chain, window cutting into the prefix
+        (2, 1, 3, 16, 40, 50, [50, 3], "random", 1),  # window 1: every query sees only itself
+        (1, 1, 1, 32, 700, 0, [0], None, None),  # prefill-like: a long causal chain, tree keys in chunks
+    ],
+)
+def test_tree_attention_native_edge_cases(dtype, b, hkv, group, d, t, s, lens, kind, window):
+    assert_tree_attention_close(b, hkv, group, d, t, s, lens, kind, dtype, seed=7, window=window)
+
+
+@needs_tree_ops
+def test_tree_attention_native_bad_inputs():
+    q, kv, lens = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.tensor([5])
+    tree = torch.randn(1, 2, 3, 8)
+    mask = K.pack_mask(torch.ones(1, 3, 3, dtype=torch.bool))
+    bad = [
+        (q[0], kv, kv, lens, tree, tree, mask),  # 3-D q
+        (torch.randn(1, 3, 3, 8), kv, kv, lens, tree, tree, mask),  # Hq not a multiple of Hkv
+        (q.double(), kv.double(), kv.double(), lens, tree.double(), tree.double(), mask),  # fp64
+        (q, kv.half(), kv, lens, tree, tree, mask),  # mixed dtypes
+        (q, kv, kv, torch.tensor([6]), tree, tree, mask),  # cache_lens > S
+        (q, kv, kv, torch.tensor([-1]), tree, tree, mask),
+        (q, kv, kv, lens, tree[:, :, :2], tree, mask),  # k_tree not [B, Hkv, T, D]
+        (q, kv, kv, lens, tree, tree, mask.long()),  # mask not int32
+        (q, kv, kv, lens, tree, tree, mask[:, :2]),  # mask not [B, T, W]
+    ]
+    for args in bad:
+        with pytest.raises(RuntimeError):
+            ops.tree_attention(*args)
+    with pytest.raises(RuntimeError):  # a window needs positions
+        ops.tree_attention(q, kv, kv, lens, tree, tree, mask, None, None, 4)
+    with pytest.raises(ValueError):
+        K.tree_attention(q, kv, kv, lens, tree, tree, mask, window=4, backend="cpp")
+
+
+# ----------------------------------------------------------------------------------------
+# tree_verify_greedy
+# ----------------------------------------------------------------------------------------
+
+
+def assert_verify_equal(tokens, parents, logits, valid):
+    got = K.tree_verify_greedy(tokens, parents, logits, valid, backend="cpp")
+    want = K.tree_verify_greedy(tokens, parents, logits, valid, backend="torch")
+    for name, g, r in zip(("path", "length", "next_token"), got, want):
+        assert g.dtype == r.dtype and g.shape == r.shape, (name, g.dtype, r.dtype, g.shape, r.shape)
+        assert torch.equal(g, r), (name, tokens, parents, valid, g, r)
+
+
+@st.composite
+def verify_batches(draw):
+    """Trees whose tokens often follow the target's argmax; logits with ties, NaN and -inf rows."""
+    b, t = draw(st.integers(1, 4)), draw(st.integers(1, 40))
+    v = draw(st.sampled_from([1, 2, 7, 16, 33, 1500]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    if draw(st.booleans()):
+        logits = torch.randint(0, 3, (b, t, v), generator=g).float()  # many ties: first index wins
+    else:
+        logits = torch.randn(b, t, v, generator=g)
+    if draw(st.integers(0, 4)) == 0:
+        logits[0, 0, -1] = float("nan")  # torch.argmax takes the first NaN
+    if draw(st.integers(0, 4)) == 0:
+        logits[-1, -1] = float("-inf")  # an all -inf row: index 0
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+    logits = logits.to(dtype)
+    pred = logits.argmax(-1)
+    kind = draw(st.sampled_from(["chain", "bushy", "random"]))
+    parents = torch.tensor([tree_parents(kind, t, g) for _ in range(b)], dtype=torch.int64).reshape(b, t)
+    follow = torch.rand(b, t, generator=g) < 0.7
+    noise = torch.randint(0, v, (b, t), generator=g)
+    tokens = torch.where(follow, pred.gather(1, parents.clamp(min=0)), noise)
+    valid = None
+    if draw(st.booleans()):
+        valid = torch.rand(b, t, generator=g) < 0.8
+        valid[:, 0] = draw(st.booleans()) or valid[:, 0]
+    if draw(st.booleans()):  # logits as a view: every other row of a larger vocabulary
+        wide = torch.zeros(b, t, 2 * v, dtype=dtype)
+        wide[..., ::2] = logits
+        logits = wide[..., ::2]
+    return tokens, parents, logits, valid
+
+
+@needs_tree_ops
+@settings(max_examples=300, deadline=None)
+@given(verify_batches())
+def test_tree_verify_greedy_native_matches_reference(case):
+    assert_verify_equal(*case)
+
+
+@needs_tree_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tree_verify_greedy_native_large_vocab(dtype):
+    g = torch.Generator().manual_seed(3)
+    b, t, v = 3, 64, 49152
+    logits = torch.randn(b, t, v, generator=g).to(dtype)
+    logits[:, :, 40000] = 50.0  # the maximum twice, in different chunks: the first one wins
+    logits[:, :, 2000] = 50.0
+    logits[1, :, 100] = 60.0
+    pred = logits.argmax(-1)
+    parents = torch.tensor([list(range(-1, t - 1)), [-1] + [0] * (t - 1), [-1] + [i // 2 for i in range(t - 1)]])
+    tokens = pred.gather(1, parents.clamp(min=0))
+    tokens[0, 40] = 5  # row 0 accepted up to node 39
+    assert_verify_equal(tokens, parents, logits, None)
+    assert_verify_equal(tokens, parents, logits, torch.rand(b, t, generator=g) < 0.9)
+
+
+@needs_tree_ops
+def test_tree_verify_greedy_native_bad_inputs():
+    tokens, parents, logits = torch.zeros(1, 3, dtype=torch.int64), torch.tensor([[-1, 0, 1]]), torch.randn(1, 3, 5)
+    bad = [
+        (tokens, torch.tensor([[-1, 0, 2]]), logits, None),  # a parent that does not precede its child
+        (tokens, torch.tensor([[-1, 0, -2]]), logits, None),
+        (tokens.int(), parents, logits, None),  # int32 tokens (the public op casts)
+        (tokens, parents, logits[:, :2], None),  # logits not [B, T, V]
+        (tokens, parents, logits.long(), None),
+        (tokens, parents, logits, torch.ones(1, 3, dtype=torch.int64)),  # valid not bool
+        (tokens, parents, logits, torch.ones(1, 2, dtype=torch.bool)),
+    ]
+    for args in bad:
+        with pytest.raises(RuntimeError):
+            ops.tree_verify_greedy(*args)
+
+
+@needs_tree_ops
+def test_tree_ops_compile_fullgraph_and_opcheck():
+    q, k_cache, v_cache, _, k_tree, v_tree, mask, positions = attention_inputs(
+        2, 2, 3, 16, 9, 12, [12, 4], "random", torch.float32, 0)
+    k_cache, v_cache = k_cache.nan_to_num(), v_cache.nan_to_num()
+    lens = torch.tensor([12, 4])
+    g = torch.Generator().manual_seed(0)
+    tokens, parents = torch.randint(0, 5, (2, 9), generator=g), torch.tensor([[-1] + list(range(8))] * 2)
+    logits = torch.randn(2, 9, 5, generator=g)
+
+    def fn(q, k_cache, v_cache, k_tree, v_tree):
+        out = ops.tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, mask, 0.5, positions, 6)
+        path, length, nxt = ops.tree_verify_greedy(tokens, parents, logits, None)
+        return out * 2, path + 1, length, nxt
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    args = (q, k_cache, v_cache, k_tree, v_tree)
+    for got, want in zip(compiled(*args), fn(*args)):
+        assert torch.equal(got, want)
+    torch.library.opcheck(ops.tree_attention.default, (q, k_cache, v_cache, lens, k_tree, v_tree, mask, 0.5, positions, 6))
+    torch.library.opcheck(ops.tree_attention.default, (q, k_cache, v_cache, lens, k_tree, v_tree, None))
+    torch.library.opcheck(ops.tree_verify_greedy.default, (tokens, parents, logits, torch.rand(2, 9, generator=g) < 0.8))

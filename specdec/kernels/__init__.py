@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from specdec.kernels import reference
-from specdec.kernels._dispatch import choose, has_native, native_ops
+from specdec.kernels._dispatch import choose, has_native, native_ops, triton_kernels
 from specdec.kernels.reference import pack_mask, sample_from_probs, tree_depth, unpack_mask
 
 __all__ = [
@@ -72,7 +72,15 @@ def tree_attention(
     _check(q.dim() == 4 and k_cache.dim() == 4 and k_tree.dim() == 4, "q, k_cache, k_tree must be 4-D")
     _check(q.shape[1] % k_cache.shape[1] == 0, f"Hq={q.shape[1]} is not a multiple of Hkv={k_cache.shape[1]}")
     _check(k_tree.shape[2] == q.shape[2], "k_tree must have T positions")
-    choose("tree_attention", q.device, backend, ())
+    _check(window is None or tree_positions is not None, "tree_positions are required with a sliding window")
+    triton = q.dtype in (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernel covers
+    route = choose("tree_attention", q.device, backend, ("cpu",), triton=triton)
+    if route == "native":
+        return native_ops().tree_attention(q, k_cache, v_cache, cache_lens, k_tree, v_tree, tree_mask, scale,
+                                           tree_positions, window)
+    if route == "triton":
+        return triton_kernels("tree_attention").tree_attention(q, k_cache, v_cache, cache_lens, k_tree, v_tree,
+                                                               tree_mask, scale, tree_positions, window)
     return reference.tree_attention(q, k_cache, v_cache, cache_lens, k_tree, v_tree, tree_mask, scale, tree_positions, window)
 
 
@@ -100,7 +108,7 @@ def ngram_match(
     _check(tokens.dim() == 2 and lengths.dim() == 1 and lengths.shape[0] == tokens.shape[0], "tokens [B,L], lengths [B]")
     _check(k >= 1 and w >= 1, "k and w must be >= 1")
     _check(1 <= n_min <= n_max, f"need 1 <= n_min <= n_max, got {n_min}, {n_max}")
-    if choose("ngram_match", tokens.device, backend, ("cpu",)) == "native":
+    if choose("ngram_match", tokens.device, backend, ("cpu", "cuda")) == "native":
         return native_ops().ngram_match(tokens.long(), lengths.long(), n_min, n_max, k, w)
     return reference.ngram_match(tokens, lengths, n_min, n_max, k, w)
 
@@ -120,8 +128,11 @@ def topk_entropy(
     _check(logits.dim() == 2, "logits must be [N, V]")
     _check(1 <= k <= logits.shape[1], f"k must be in [1, V], got {k}")
     _check(temperature > 0, f"temperature must be > 0, got {temperature}")
-    if choose("topk_entropy", logits.device, backend, ("cpu",)) == "native":
+    route = choose("topk_entropy", logits.device, backend, ("cpu",), triton=k <= 1024)  # Triton keeps k <= 1024
+    if route == "native":
         return native_ops().topk_entropy(logits, k, float(temperature))
+    if route == "triton":
+        return triton_kernels("topk_entropy").topk_entropy(logits, k, float(temperature))
     return reference.topk_entropy(logits, k, temperature)
 
 
@@ -143,8 +154,11 @@ def kv_compact(
     _check(src.dim() == 2 and dst_start.dim() == 1 and counts.dim() == 1, "src [B,n], dst_start [B], counts [B]")
     if not caches or src.numel() == 0:
         return
-    if choose("kv_compact", caches[0].device, backend, ("cpu",)) == "native":
+    route = choose("kv_compact", caches[0].device, backend, ("cpu", "cuda"), triton=True)
+    if route == "native":
         native_ops().kv_compact(caches, src.long(), dst_start.long(), counts.long())
+    elif route == "triton":
+        triton_kernels("kv_compact").kv_compact(caches, src, dst_start, counts)
     else:
         reference.kv_compact(caches, src, dst_start, counts)
 
@@ -168,7 +182,12 @@ def tree_verify_greedy(
         int32 (root included), next token ``[B]`` int64.
     """
     _check(tokens.shape == parents.shape and target_logits.shape[:2] == tokens.shape, "tokens/parents [B,T], logits [B,T,V]")
-    choose("tree_verify", tokens.device, backend, ())
+    route = choose("tree_verify_greedy", tokens.device, backend, ("cpu",), triton=True)
+    if route == "native":
+        return native_ops().tree_verify_greedy(tokens.long(), parents.long(), target_logits,
+                                               None if valid is None else valid.bool())
+    if route == "triton":
+        return triton_kernels("tree_verify").tree_verify_greedy(tokens, parents, target_logits, valid)
     return reference.tree_verify_greedy(tokens, parents, target_logits, valid)
 
 
@@ -194,5 +213,7 @@ def tree_verify_sampling(
     """
     _check(tokens.shape == parents.shape and target_probs.shape[:2] == tokens.shape, "tokens/parents [B,T], probs [B,T,V]")
     _check(uniforms.shape == (tokens.shape[0], tokens.shape[1] + 1), "uniforms must be [B, T+1]")
-    choose("tree_verify", tokens.device, backend, ())
+    if choose("tree_verify_sampling", tokens.device, backend, (), triton=True) == "triton":
+        return triton_kernels("tree_verify").tree_verify_sampling(tokens, parents, target_probs, draft_probs,
+                                                                  uniforms, valid)
     return reference.tree_verify_sampling(tokens, parents, target_probs, draft_probs, uniforms, valid)

@@ -41,3 +41,33 @@ def _topk_entropy_fake(
         logits.new_empty((n,), dtype=torch.float32),
         logits.new_empty((n,), dtype=torch.float32),
     )
+
+
+@torch.library.register_fake("specdec::tree_attention")
+def _tree_attention_fake(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    scale: float | None = None,
+    tree_positions: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """``[B, Hq, T, D]`` (contiguous), the dtype of ``q``."""
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+@torch.library.register_fake("specdec::tree_verify_greedy")
+def _tree_verify_greedy_fake(
+    tokens: torch.Tensor, parents: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """path ``[B, T]`` int64, length ``[B]`` int32, next token ``[B]`` int64."""
+    b, t = tokens.shape
+    return (
+        tokens.new_empty((b, t), dtype=torch.int64),
+        tokens.new_empty((b,), dtype=torch.int32),
+        tokens.new_empty((b,), dtype=torch.int64),
+    )

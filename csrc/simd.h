@@ -1,0 +1,126 @@
+// SIMD helpers shared by the CPU kernels: 16-lane GCC/Clang vector types, lowered to whatever
+// the target has (one zmm on AVX-512, two ymm on AVX2, four xmm on SSE2, NEON on arm), and
+// runtime ISA dispatch: a hot function is written once as an always-inline template body and
+// instantiated in wrappers compiled for AVX-512, AVX2+FMA and the baseline; the best one the CPU
+// supports is picked at run time (the extension itself is built for the baseline ISA).
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#define SPECDEC_INLINE inline __attribute__((always_inline))
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define SPECDEC_X86_CLONES 1
+#define SPECDEC_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define SPECDEC_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+#else
+#define SPECDEC_X86_CLONES 0
+#define SPECDEC_TARGET_AVX2
+#define SPECDEC_TARGET_AVX512
+#endif
+
+namespace specdec::simd {
+
+constexpr int kLanes = 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+
+enum class Isa { kBase, kAvx2, kAvx512 };
+
+// The widest instruction set the wrappers are compiled for that this CPU supports.
+inline Isa best_isa() {
+#if SPECDEC_X86_CLONES
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
+      return Isa::kAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+    return Isa::kBase;
+  }();
+  return isa;
+#else
+  return Isa::kBase;
+#endif
+}
+
+SPECDEC_INLINE vf splat(float v) { return vf{} + v; }
+SPECDEC_INLINE vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+SPECDEC_INLINE void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+SPECDEC_INLINE vf select(vi mask, vf a, vf b) { return mask ? a : b; }
+SPECDEC_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }  // b where a is NaN (maxps)
+SPECDEC_INLINE bool any(vi m) {
+  int32_t r = 0;
+  for (int j = 0; j < kLanes; ++j) r |= m[j];
+  return r != 0;
+}
+SPECDEC_INLINE float hmax(vf v) {
+  float r = v[0];
+  for (int j = 1; j < kLanes; ++j) r = v[j] > r ? v[j] : r;
+  return r;
+}
+SPECDEC_INLINE float hsum(vf v) {
+  float r = 0.0f;
+  for (int j = 0; j < kLanes; ++j) r += v[j];
+  return r;
+}
+
+// e^x for x <= 0, within 2.5e-7 relative; 0 below -87 and for -inf and NaN. x = n ln2 + g with
+// |g| <= ln2 / 2: e^g by a degree-5 minimax polynomial, 2^n built in the exponent bits.
+SPECDEC_INLINE vf exp_nonpos(vf x) {
+  // 1.5 * 2^23 + 127: adding it rounds to an integer and leaves n + 127 in the low mantissa bits.
+  constexpr float kMagic = 12582912.0f + 127.0f;
+  const vf xc = vmax(x, splat(-87.0f));
+  const vf t = xc * 1.44269504088896341f + kMagic;
+  const vf n = t - kMagic;
+  const vf g = (xc - n * 0.693359375f) - n * -2.12194440e-4f;  // ln 2 in two parts
+  vf p = splat(8.2903141156e-3f);  // minimax on [-ln2/2, ln2/2] with p(0) = 1 exactly
+  p = p * g + 4.1897930205e-2f;
+  p = p * g + 1.6667635739e-1f;
+  p = p * g + 4.9999150634e-1f;
+  p = p * g + 9.9999970198e-1f;
+  p = p * g + 1.0f;
+  const vf scale = (vf)((vi)t << 23);
+  return x >= splat(-87.0f) ? p * scale : splat(0.0f);
+}
+
+// fp32 -> bf16 bits with round-to-nearest-even (inputs here are finite).
+SPECDEC_INLINE void store_bf16(uint16_t* p, vf v) {
+  const vi bits = (vi)v;
+  const vi rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+  for (int j = 0; j < kLanes; ++j) p[j] = static_cast<uint16_t>(rounded[j]);
+}
+
+typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
+
+SPECDEC_INLINE vf load_bf16(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return (vf)(__builtin_convertvector(h, vi) << 16);
+}
+
+// IEEE fp16 bits -> fp32 (one instruction under F16C; a libgcc call per lane on the baseline).
+SPECDEC_INLINE vf load_f16(const uint16_t* p) {
+#if SPECDEC_X86_CLONES && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+  typedef _Float16 vhf __attribute__((vector_size(2 * kLanes)));
+  vhf h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, vf);
+#else
+  vf r;
+  for (int j = 0; j < kLanes; ++j) r[j] = c10::detail::fp16_ieee_to_fp32_value(p[j]);
+  return r;
+#endif
+}
+
+}  // namespace specdec::simd

@@ -1,0 +1,63 @@
+"""The runner's two attention paths (tree-attention kernel, dense-mask SDPA) give the same logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import kernels
+from specdec.model import ModelRunner, default_attention
+from specdec.tree import DraftTree
+from tests.conftest import tiny_model
+
+needs_kernel = pytest.mark.skipif(not kernels.has_native("tree_attention"), reason="specdec._C is not built")
+
+
+def run_steps(model, attention: str, prompts: list[list[int]]):
+    """Ragged prefill, one chain step, one bushy-tree step with a partial commit; every step's logits."""
+    runner = ModelRunner(model, attention=attention)
+    b, width = len(prompts), max(len(p) for p in prompts)
+    runner.reset(b, width + 32)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    lens = torch.tensor([len(p) for p in prompts])
+    first, _ = runner.prefill(ids, lens)
+    out = [first]
+    root = first.argmax(-1)
+    chain = DraftTree.chain(root, torch.tensor([[5, 6, 7]] * b))
+    logits, _ = runner.forward_tree(chain)
+    out.append(logits)
+    path = torch.tensor([[0, 1, -1, -1]] * b)
+    runner.commit(path, torch.full((b,), 2), True, int((runner.lengths + 2).max()))
+    tree = DraftTree.from_chains(root, [[[3, 4], [3, 9, 2], [8]] for _ in range(b)])
+    logits, _ = runner.forward_tree(tree)
+    out.append(logits)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])  # gemma3: sliding-window layers
+def test_kernel_and_sdpa_paths_agree(arch, monkeypatch):
+    model = tiny_model(arch)
+    prompts = [list(range(2, 14)), list(range(20, 25)), list(range(30, 49))]  # ragged rows, past the window
+    want = run_steps(model, "sdpa", prompts)
+
+    def no_dense(*args, **kwargs):
+        raise AssertionError("the kernel path built a dense mask")
+
+    monkeypatch.setattr("specdec.model.tree_attention_mask", no_dense)
+    got = run_steps(model, "kernel", prompts)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_selection(monkeypatch):
+    monkeypatch.setenv("SPECDEC_ATTN", "sdpa")
+    assert default_attention(torch.device("cpu")) == "sdpa"
+    assert ModelRunner(tiny_model("llama")).attention == "sdpa"
+    assert ModelRunner(tiny_model("llama"), attention="kernel").attention == "kernel"
+    monkeypatch.setenv("SPECDEC_ATTN", "dense")
+    with pytest.raises(ValueError):
+        default_attention(torch.device("cpu"))
+    monkeypatch.delenv("SPECDEC_ATTN")
+    assert default_attention(torch.device("cpu")) == ("kernel" if kernels.has_native("tree_attention") else "sdpa")
+    with pytest.raises(ValueError):
+        ModelRunner(tiny_model("llama"), attention="flash")
