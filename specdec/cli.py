@@ -21,12 +21,21 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-tokens", type=int, default=None, help="pld: draft length (default 10)")
     p.add_argument("--draft-length", type=int, default=None, help="sd: draft length (default 5)")
     p.add_argument("--schedule", choices=["cost", "static", "heuristic"], default=None,
-                   help="draft-length schedule: pld cost (default), static, heuristic; sd static (default), heuristic")
+                   help="draft-length schedule: pld cost (default), static, heuristic; sd static (default), heuristic; "
+                   "ngrammys cost (default: prune the draft tree to what pays for its cost) or static")
+    p.add_argument("--k", type=int, default=None, help="ngrammys: drafts per step")
+    p.add_argument("--w", type=int, default=None, help="ngrammys: tokens per draft")
+    p.add_argument("--q", type=int, default=None, help="ngrammys: context query length")
+    p.add_argument("--strategy", choices=["mixed", "context", "bigram"], default=None, help="ngrammys draft sources")
+    p.add_argument("--verify", choices=["tree", "batch", "chain"], default=None,
+                   help="ngrammys verification: trie (default), k branches (the paper's batch rows), best draft only")
 
 
 def _method_options(args, method: str) -> dict:
     names = {"pld": {"num_tokens": args.num_tokens, "schedule": args.schedule},
-             "sd": {"draft_length": args.draft_length, "schedule": args.schedule}}
+             "sd": {"draft_length": args.draft_length, "schedule": args.schedule},
+             "ngrammys": {"k": args.k, "w": args.w, "q": args.q, "strategy": args.strategy, "verify": args.verify,
+                          "schedule": args.schedule}}
     return {k: v for k, v in names.get(method, {}).items() if v is not None}
 
 
@@ -73,13 +82,53 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _distill_args(d: argparse.ArgumentParser) -> None:
+    a = d.add_argument
+    a("--target", default=DEFAULT_MODEL, help="target model (name or folder); Llama architecture")
+    a("--prompts", required=True, help="training prompts, JSON lines with id, category, chat, prompt")
+    a("--out", required=True, help="folder for the trained draft (loadable with --draft OUT)")
+    a("--work", default="distill_work", help="generated data and checkpoints (resumable)")
+    a("--limit", type=int, default=None, help="use the first N prompts only")
+    a("--gen-dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="target dtype for data generation")
+    a("--gen-tokens", type=int, default=128, help="new tokens per generation")
+    a("--samples", type=int, default=1, help="sampled generations per prompt, besides the greedy one")
+    a("--no-teacher-forcing", dest="teacher_forcing", action="store_false",
+      help="skip the pass over the prompts' own tokens (target log-probs without decoding)")
+    a("--temperature", type=float, default=0.8, help="temperature of the sampled generations")
+    a("--batch-size", type=int, default=16, help="generation batch size")
+    a("--top-k", type=int, default=16, help="target log-probs kept per position")
+    a("--max-prompt", type=int, default=1024, help="prompt tokens kept for generation (the last N)")
+    a("--gen-minutes", type=float, default=None, help="stop generating after this long (train on what exists)")
+    a("--layers", default="0,29", help="target layers copied into the draft, in order")
+    a("--draft-vocab", type=int, default=6144, help="draft vocabulary size (most frequent generated tokens)")
+    a("--max-context", type=int, default=256, help="prompt tokens kept before the generation when training")
+    a("--max-tokens", type=int, default=4096, help="padded tokens per training batch")
+    a("--steps", type=int, default=3000, help="training steps (cosine schedule length)")
+    a("--train-minutes", type=float, default=None, help="stop training after this long (schedule follows it)")
+    a("--lr", type=float, default=5e-4)
+    a("--held-out", type=float, default=0.03, help="share of prompts held out for the acceptance proxy")
+    a("--no-autocast", dest="autocast", action="store_false", help="train in fp32 (default: bf16 autocast)")
+    a("--save-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    a("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    a("--seed", type=int, default=0)
+    a("--resume", action="store_true", help="continue training from WORK/ckpt.pt")
+
+
+def cmd_distill(args) -> int:
+    from specdec.distill.train import run_distill
+
+    summary = run_distill(args)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion")
     _common(g)
-    g.add_argument("--method", default="pld", help="ar, sd or pld")
+    g.add_argument("--method", default="pld", help="ar, sd, pld or ngrammys")
     g.add_argument("--prompt", required=True)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print text, tokens and stats as JSON")
@@ -87,12 +136,17 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmark methods against transformers side by side")
     _common(b)
-    b.add_argument("--methods", default="hf,hf-pld,ar,pld", help="comma list of hf, hf-pld, hf-assisted, ar, sd, pld")
+    b.add_argument("--methods", default="hf,hf-pld,ar,pld", help="comma list of hf, hf-pld, hf-assisted, ar, sd, pld, ngrammys; a method may carry "
+                   "its own options after colons, e.g. ngrammys:strategy=context:verify=batch")
     b.add_argument("--prompts", required=True, help="JSON lines with id, category, chat, prompt")
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--per-category", type=int, default=None, help="first K prompts of each category, interleaved")
     b.add_argument("--json", default=None, metavar="OUT", help="write the full results here")
     b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("distill", help="train a small draft model from the target's own generations")
+    _distill_args(d)
+    d.set_defaults(func=cmd_distill)
 
     args = parser.parse_args(argv)
     try:

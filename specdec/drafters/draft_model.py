@@ -1,6 +1,8 @@
 """Classic speculative decoding: a smaller same-vocabulary causal LM drafts a chain."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from specdec.drafters.base import DecodeState, Drafter
@@ -16,6 +18,10 @@ class DraftModelDrafter(Drafter):
     processed distribution ``q``, which is handed to verification so rejection sampling stays exact.
     The draft cache keeps every committed token it has seen; after verification it rolls back to
     the accepted prefix, so each step feeds it only the 1-2 tokens it has not seen yet.
+
+    Reduced-vocabulary drafts (a ``draft_vocab [Vd]`` buffer of target ids and a ``reduced_logits()``
+    context, as ``specdec distill`` makes) run in their cheap mode: argmax / sampling over the draft
+    vocabulary, mapped back to target ids; ``q`` handed to verification is zero outside it.
     """
 
     def __init__(self, runner: ModelRunner, sampling: SamplingConfig):
@@ -24,6 +30,10 @@ class DraftModelDrafter(Drafter):
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed((sampling.seed if sampling.seed is not None else torch.seed()) + 7919)
         self._seen: list[int] = []  # host mirror of the draft cache lengths
+        model = runner.model
+        self.vocab_map: torch.Tensor | None = getattr(model, "draft_vocab", None)  # draft id -> target id
+        self._mode = model.reduced_logits if self.vocab_map is not None else contextlib.nullcontext
+        self.target_vocab = model.config.get_text_config().vocab_size
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
@@ -33,11 +43,22 @@ class DraftModelDrafter(Drafter):
 
     def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.sampling.greedy:
-            return logits.argmax(-1), None
+            tok = logits.argmax(-1)
+            return (tok if self.vocab_map is None else self.vocab_map[tok]), None
         q = processed_probs(logits, self.sampling)
-        return torch.multinomial(q, 1, generator=self.generator).squeeze(1), q
+        tok = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
+        if self.vocab_map is None:
+            return tok, q
+        # Same distribution as over full logits with -inf outside the draft vocabulary (temperature,
+        # top-k and top-p never select a -inf logit), scattered back to target ids.
+        full = q.new_zeros(q.shape[0], self.target_vocab).index_copy_(1, self.vocab_map, q)
+        return self.vocab_map[tok], full
 
     def propose(self, state: DecodeState, max_len: int) -> DraftTree:
+        with self._mode():
+            return self._propose(state, max_len)
+
+    def _propose(self, state: DecodeState, max_len: int) -> DraftTree:
         if max_len < 1:
             return DraftTree.chain(state.roots)
         b = state.seq.shape[0]
