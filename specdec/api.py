@@ -8,6 +8,7 @@ from transformers import PreTrainedModel
 
 from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate
 from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDrafter
+from specdec.drafters.ngrammys import NodeAcceptance
 from specdec.hub import DEFAULT_MODEL, load_model
 from specdec.model import ModelRunner
 from specdec.ngram_tables import NGramTables, load_tables
@@ -16,7 +17,7 @@ from specdec.verify import SamplingConfig
 
 METHODS = ("ar", "sd", "pld", "ngrammys")
 NEEDS_DRAFT = {"sd"}
-SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic"), "ngrammys": ("static",)}
+SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic"), "ngrammys": ("cost", "static")}
 NGRAMMYS_DEFAULTS = {"k": 10, "w": 10, "q": 1, "strategy": "mixed", "verify": "tree"}
 
 
@@ -73,6 +74,7 @@ class SpecDecoder:
         self._step_cost: StepCost | None = None
         self._pld_acceptance = AcceptanceModel()  # learned across calls: one model, one workload
         self._ngram_tables: NGramTables | None = None
+        self._node_acceptance: dict = {}  # ngrammys: per (k, w, q, strategy, verify), learned across calls
 
     def ngram_tables(self) -> NGramTables:
         """The target's unigram and bigram tables (computed once per model, then read from disk)."""
@@ -107,8 +109,10 @@ class SpecDecoder:
         acceptance learned per matched n-gram size), ``static`` or transformers' ``heuristic``;
         sd: ``draft_length`` (5), ``schedule`` ``static`` (default) or ``heuristic``;
         ngrammys: ``k`` drafts of ``w`` tokens, context query length ``q``, ``strategy`` (``mixed``,
-        ``context``, ``bigram``) and ``verify`` (``tree``, ``batch``, ``chain``); defaults in
-        ``NGRAMMYS_DEFAULTS``."""
+        ``context``, ``bigram``) and ``verify`` (``tree``, ``batch``, ``chain``), defaults in
+        ``NGRAMMYS_DEFAULTS``; ``schedule`` ``cost`` (default: each row's tree is pruned to the nodes
+        worth their measured verification cost, by acceptance learned per source, rank and depth) or
+        ``static`` (all k x w drafts, as in the paper)."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
         if method in NEEDS_DRAFT and self.draft_runner is None:
@@ -122,7 +126,7 @@ class SpecDecoder:
                 raise ValueError(f"method 'ar' takes no options, got {sorted(options)}")
             return autoregressive_generate(self.runner, prompts, max_new_tokens, sampling, self.eos)
         options = dict(options)
-        schedule = options.pop("schedule", "cost" if method == "pld" else "static")
+        schedule = options.pop("schedule", "cost" if method in ("pld", "ngrammys") else "static")
         if schedule not in SCHEDULES[method]:
             raise ValueError(f"schedule for {method!r} must be one of {SCHEDULES[method]}, got {schedule!r}")
         if method == "pld":
@@ -136,7 +140,12 @@ class SpecDecoder:
             opts = {**NGRAMMYS_DEFAULTS, **options}
             tables = self.ngram_tables() if opts["strategy"] != "context" else NGramTables(
                 torch.zeros(1, opts["k"], dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
-            drafter = NGrammysDrafter(tables, **opts)
+            adaptive = {}
+            if schedule == "cost":
+                key = tuple(sorted(opts.items()))
+                self._node_acceptance.setdefault(key, NodeAcceptance(opts["k"], opts["w"]))
+                adaptive = {"cost": self.step_cost(), "acceptance": self._node_acceptance[key]}
+            drafter = NGrammysDrafter(tables, **opts, **adaptive)
             k = drafter.w
         else:
             k = options.pop("draft_length", 5)

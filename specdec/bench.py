@@ -67,14 +67,27 @@ class _CallCounter:
         return n
 
 
-def _run_one(dec: SpecDecoder, method: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
+def parse_method(label: str) -> tuple[str, dict]:
+    """``"ngrammys:k=5:strategy=context"`` -> ``("ngrammys", {"k": 5, "strategy": "context"})``."""
+    name, *pairs = label.split(":")
+    opts = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad method option {pair!r} in {label!r}: use name=value")
+        opts[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, opts
+
+
+def _run_one(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
+    method, own = parse_method(label)
     if method == "hf":
         return hf_generate(dec.model, prompt, max_new, sampling), None
     if method == "hf-pld":
         return hf_generate(dec.model, prompt, max_new, sampling, prompt_lookup_num_tokens=10), None
     if method == "hf-assisted":
         return hf_generate(dec.model, prompt, max_new, sampling, assistant_model=dec.draft), None
-    res = dec.generate_ids([prompt], method, max_new, sampling, **options.get(method, {}))
+    res = dec.generate_ids([prompt], method, max_new, sampling, **{**options.get(method, {}), **own})
     return res.tokens[0], res.stats
 
 
@@ -83,9 +96,12 @@ def run_bench(dec: SpecDecoder, methods: list[str], prompts: list[Prompt], max_n
               config: dict | None = None, progress: bool = True) -> dict:
     """Run ``methods`` (plus ``hf``) over ``prompts``; return the bench JSON (config, runs, summary)."""
     options = options or {}
-    for m in methods:
+    for label in methods:
+        m, own = parse_method(label)
         if m not in ALL_METHODS:
             raise ValueError(f"unknown method {m!r}: choose from {', '.join(ALL_METHODS)}")
+        if own and m in HF_METHODS:
+            raise ValueError(f"{m!r} takes no options")
         if (m in NEEDS_DRAFT or m == "hf-assisted") and dec.draft is None:
             raise ValueError(f"method {m!r} needs --draft")
     methods = ["hf"] + [m for m in methods if m != "hf"]
@@ -110,6 +126,7 @@ def run_bench(dec: SpecDecoder, methods: list[str], prompts: list[Prompt], max_n
                 "seconds": seconds, "target_calls": target_calls.take(), "draft_calls": draft_calls.take(),
                 "drafted_tokens": stats.drafted_tokens if stats else None,
                 "accepted_tokens": stats.accepted_tokens if stats else None,
+                "drafter": stats.drafter if stats and stats.drafter else None,
                 "identical_to_reference": None, "_tokens": tokens,
             }
             if m == "hf":
@@ -136,12 +153,20 @@ def summarize(runs: list[dict]) -> dict:
         drafted = [r["drafted_tokens"] for r in rs if r["drafted_tokens"] is not None]
         accepted = [r["accepted_tokens"] for r in rs if r["accepted_tokens"] is not None]
         ident = [r["identical_to_reference"] for r in rs if r["identical_to_reference"] is not None]
+        drafter: dict = {}
+        for r in rs:  # sum drafter counters (e.g. ngrammys' allocation per source) over prompts
+            for group, counters in (r.get("drafter") or {}).items():
+                acc = drafter.setdefault(group, {})
+                for key, value in counters.items():
+                    acc[key] = acc.get(key, 0) + value
         summary[m] = {
             "tokens_per_second": tokens / seconds if seconds else 0.0,
             "tokens_per_call": tokens / calls if calls else None,
             "accept_rate": sum(accepted) / sum(drafted) if drafted and sum(drafted) else None,
             "identical_rate": sum(ident) / len(ident) if ident else None,
         }
+        if drafter:
+            summary[m]["drafter"] = drafter
     ref = summary.get("hf", {}).get("tokens_per_second")
     for m, s in summary.items():
         s["speedup"] = s["tokens_per_second"] / ref if ref else None

@@ -164,6 +164,30 @@ class DraftTree:
         node_valid[:, 0] = True
         return cls.from_parents(tokens, parents, node_valid), chain
 
+    def select(self, keep: torch.Tensor) -> tuple["DraftTree", torch.Tensor]:
+        """The subtree of the nodes in ``keep`` ``[B,T] bool`` (closed under parents; the root is always kept).
+
+        Kept nodes keep their relative order. Returns the subtree and ``[B,T']`` the old index of
+        every new node (0 at padding).
+        """
+        b, t = self.tokens.shape
+        keep = keep & self.valid
+        keep[:, 0] = True
+        new_index = keep.long().cumsum(-1) - 1  # [B,T] position of each kept node
+        t_new = int(keep.sum(-1).max())
+        dst = torch.where(keep, new_index, t_new)  # dropped nodes go to a spill column, cut below
+        old = torch.zeros(b, t_new + 1, dtype=torch.int64, device=self.tokens.device)
+        old.scatter_(1, dst, torch.arange(t, device=self.tokens.device).expand(b, t))
+        old = old[:, :t_new]
+        valid = torch.arange(t_new, device=keep.device)[None] < keep.sum(-1, keepdim=True)
+        tokens = self.tokens.gather(1, old)
+        parents = torch.where(valid, new_index.gather(1, self.parents.gather(1, old).clamp(min=0)), 0)
+        parents[:, 0] = -1
+        probs = None
+        if self.draft_probs is not None:
+            probs = self.draft_probs.gather(1, old[:, :, None].expand(-1, -1, self.draft_probs.shape[-1]))
+        return DraftTree.from_parents(tokens, parents, valid, probs), old
+
     def positions(self, cache_lens: torch.Tensor) -> torch.Tensor:
         """Absolute positions ``[B,T]`` of the nodes, given committed lengths ``[B]``."""
         return cache_lens[:, None] + self.depth

@@ -16,6 +16,7 @@ import torch
 from specdec import kernels
 from specdec.drafters.base import DecodeState, Drafter
 from specdec.ngram_tables import NGramTables
+from specdec.policies import StepCost
 from specdec.tree import DraftTree
 
 STRATEGIES = ("mixed", "context", "bigram")
@@ -32,7 +33,8 @@ class NGrammysDrafter(Drafter):
     """
 
     def __init__(self, tables: NGramTables, k: int = 10, w: int = 10, q: int = 1,
-                 strategy: str = "mixed", verify: str = "tree"):
+                 strategy: str = "mixed", verify: str = "tree", cost: StepCost | None = None,
+                 acceptance: "NodeAcceptance | None" = None):
         if k < 1 or w < 1 or q < 1:
             raise ValueError(f"need k, w, q >= 1, got k={k}, w={w}, q={q}")
         if strategy not in STRATEGIES:
@@ -43,6 +45,9 @@ class NGrammysDrafter(Drafter):
             raise ValueError(f"k={k} exceeds the bigram table's width {tables.bigram.shape[1]}")
         self.tables, self.k, self.w, self.q = tables, k, w, q
         self.strategy, self.verify = strategy, verify
+        self.cost = cost
+        self.acceptance = acceptance if acceptance is not None else (NodeAcceptance(k, w) if cost else None)
+        self._slot: torch.Tensor | None = None  # [B,T] (source, rank, depth) cell of each node
         self._ext: torch.Tensor | None = None
         self._chain_of_node: torch.Tensor | None = None
         self._n_ctx: torch.Tensor | None = None
@@ -84,11 +89,55 @@ class NGrammysDrafter(Drafter):
             self._chain_of_node = torch.zeros(tree.tokens.shape, dtype=torch.int64, device=drafts.device)
             return tree
         tree, self._chain_of_node = DraftTree.from_drafts(state.roots, drafts, merge=self.verify == "tree")
+        if self.cost is not None and self.verify != "chain":
+            tree = self._prune(tree)
         return tree
+
+    def _prune(self, tree: DraftTree) -> DraftTree:
+        """Keep, per row, the nodes most likely to be accepted, as many as pay for their cost.
+
+        A node's acceptance estimate comes from its cell (source, rank among that source's drafts,
+        depth), capped by its parent's (a child is never likelier than its parent). Taking nodes in
+        descending estimate keeps a closed subtree; the expected accepted length of ``n`` nodes is the
+        sum of their estimates, so the kept count maximises ``(1 + sum) / cost(n + 1)``.
+        """
+        chain = self._chain_of_node
+        from_ctx = chain < self._n_ctx[:, None]
+        rank = torch.where(from_ctx, chain, chain - self._n_ctx[:, None]).clamp(0, self.k - 1)
+        depth = (tree.depth - 1).clamp(0, self.w - 1)
+        cell = (from_ctx.long() * self.k + rank) * self.w + depth  # [B,T]
+        p = self.acceptance.rates(tree.tokens.device).gather(0, cell.reshape(-1)).reshape(cell.shape)
+        p = torch.where(tree.valid, p, 0.0)
+        p[:, 0] = 1.0
+        for _ in range(int(tree.depth.max())):  # cap by the parent, level by level
+            p = torch.minimum(p, p.gather(1, tree.parents.clamp(min=0)))
+        p[:, 0] = 2.0  # the root first
+        order = torch.sort(p - tree.depth * 1e-6, dim=-1, descending=True, stable=True)
+        gain = order.values.clamp(max=1.0).cumsum(-1)  # [B,T]: 1 + expected accepted with n+1 nodes
+        cost = torch.tensor([self.cost(n) for n in range(1, tree.size + 1)], device=p.device)
+        best = (gain / cost).argmax(-1)  # [B]: index of the last kept node in the order
+        keep_sorted = torch.arange(tree.size, device=p.device)[None] <= best[:, None]
+        keep = torch.zeros_like(keep_sorted).scatter_(1, order.indices, keep_sorted)
+        sub, old = tree.select(keep)
+        self._chain_of_node = chain.gather(1, old)
+        self._slot = cell.gather(1, old)
+        return sub
+
+    def observe_step(self, tree_size: int, seconds: float) -> None:
+        if self.cost is not None:
+            self.cost.observe(tree_size, seconds)
 
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int]) -> None:
         if self._chain_of_node is None:
             return
+        if self._slot is not None:
+            lens = torch.tensor(path_len, device=path.device)
+            on_path = torch.zeros_like(tree.valid)
+            on_path.scatter_(1, path.clamp(min=0), (torch.arange(path.shape[1], device=path.device)[None] < lens[:, None]))
+            live = tree.valid & (lens[:, None] > 0)
+            live[:, 0] = False
+            self.acceptance.update(self._slot[live], on_path[live])
+            self._slot = None
         last = path.gather(1, (torch.tensor(path_len, device=path.device) - 1).clamp(min=0)[:, None]).squeeze(1)
         chain = self._chain_of_node.gather(1, last[:, None]).squeeze(1)
         a = self.allocation
@@ -105,3 +154,34 @@ class NGrammysDrafter(Drafter):
 
     def summary(self) -> dict:
         return {"allocation": dict(self.allocation)}
+
+
+class NodeAcceptance:
+    """How often a draft node was accepted, per cell (source, rank, depth), with a Beta prior.
+
+    The prior expects context matches to be accepted more often than bigram rows, and deeper or
+    lower-ranked nodes less often; measured counts take over after a few steps.
+    """
+
+    def __init__(self, k: int, w: int, prior_weight: float = 2.0):
+        rank = torch.arange(k, dtype=torch.float64)[:, None]
+        depth = torch.arange(w, dtype=torch.float64)[None, :]
+        ctx = 0.5 * 0.8**depth / (1 + rank)
+        big = 0.25 * 0.6**depth / (1 + rank)
+        prior = torch.stack([big, ctx]).reshape(-1)  # cell = (source * k + rank) * w + depth, source 1 = context
+        self.accepted = prior * prior_weight
+        self.proposed = torch.full_like(prior, prior_weight)
+        self._rates: torch.Tensor | None = None
+
+    def rates(self, device) -> torch.Tensor:
+        """``[2*k*w] float`` acceptance estimate of each cell."""
+        if self._rates is None or self._rates.device != torch.device(device):
+            self._rates = (self.accepted / self.proposed).float().to(device)
+        return self._rates
+
+    def update(self, cells: torch.Tensor, accepted: torch.Tensor) -> None:
+        """cells: ``[N]`` cell of each verified node; accepted: ``[N] bool``."""
+        cells = cells.cpu()
+        self.proposed.index_add_(0, cells, torch.ones(cells.shape[0], dtype=torch.float64))
+        self.accepted.index_add_(0, cells, accepted.cpu().double())
+        self._rates = None
