@@ -150,6 +150,16 @@ def _load_p(SCRATCH, p_row, in_scratch, offs, ok):
 
 
 @triton.jit
+def _load_q(q_row, s_dr_v, onehot, xh, offs, ok):
+    """The draft distribution at ``offs``: one-hot at the drafted token ``xh`` or a ``q`` row (fp32)."""
+    if onehot:
+        q = tl.where(offs == xh, 1.0, 0.0)
+    else:
+        q = tl.load(q_row + offs * s_dr_v, mask=ok, other=0.0).to(tl.float32)
+    return q
+
+
+@triton.jit
 def _sampling_walk_kernel(
     TOKENS, PARENTS, VALID, TARGET, DRAFT, U, SCRATCH, PATH, LEN, NEXT,
     s_tok_b, s_tok_t, s_par_b, s_par_t, s_val_b, s_val_t,
@@ -205,20 +215,14 @@ def _sampling_walk_kernel(
                     offs = start + lanes
                     ok = offs < V
                     p = _load_p(scratch, p_row, in_scratch, offs, ok)
-                    if onehot:
-                        q = tl.where(offs == xh, 1.0, 0.0)
-                    else:
-                        q = tl.load(q_row + offs * s_dr_v, mask=ok, other=0.0).to(tl.float32)
+                    q = _load_q(q_row, s_dr_v, onehot, xh, offs, ok)
                     total += tl.sum(tl.maximum(p - q, 0.0), 0)
                 if total > 0:
                     for start in range(0, V, BLOCK_V):
                         offs = start + lanes
                         ok = offs < V
                         p = _load_p(scratch, p_row, in_scratch, offs, ok)
-                        if onehot:
-                            q = tl.where(offs == xh, 1.0, 0.0)
-                        else:
-                            q = tl.load(q_row + offs * s_dr_v, mask=ok, other=0.0).to(tl.float32)
+                        q = _load_q(q_row, s_dr_v, onehot, xh, offs, ok)
                         tl.store(scratch + offs, tl.math.div_rn(tl.maximum(p - q, 0.0), total), mask=ok)
                     tl.debug_barrier()  # the scalar reads of later nodes see the whole row
                     in_scratch = 1

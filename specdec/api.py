@@ -138,8 +138,7 @@ class SpecDecoder:
             if unknown:
                 raise ValueError(f"unknown options for 'ngrammys': {sorted(unknown)}")
             opts = {**NGRAMMYS_DEFAULTS, **options}
-            tables = self.ngram_tables() if opts["strategy"] != "context" else NGramTables(
-                torch.zeros(1, opts["k"], dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+            tables = self.ngram_tables() if opts["strategy"] != "context" else None
             adaptive = {}
             if schedule == "cost":
                 key = tuple(sorted(opts.items()))

@@ -172,7 +172,7 @@ def speculative_generate(
             policy.update(drafted, n - 1)
             out.add(r, h[2: 2 + n])
         td = time.perf_counter()
-        drafter.update(state, tree, path, lens)
+        drafter.update(state, tree, path, lens, [h[1] for h in host])
         stats.draft_s += time.perf_counter() - td
     stats.draft_calls = drafter.draft_calls
     stats.drafter = drafter.summary()

@@ -207,7 +207,6 @@ def run_distill(args) -> dict:
     greedy_recs = load_records([s for s in shards if s.name.startswith("greedy")])
     sample_recs = load_records([s for s in shards if not s.name.startswith("greedy")])  # sampled + teacher forcing
     gen_s = time.time() - t0
-    n_gen = sum(len(r["topk_idx"]) for r in greedy_recs + sample_recs)
     positions = {name: sum(len(r["topk_idx"]) for s in shards if s.name.startswith(name) for r in load_records([s]))
                  for name, _ in passes}
     log({"stage": "data", "records": len(greedy_recs) + len(sample_recs), "positions": positions, "seconds": gen_s})

@@ -42,8 +42,13 @@ class Drafter:
     def propose(self, state: DecodeState, max_len: int) -> DraftTree:
         raise NotImplementedError
 
-    def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int]) -> None:
-        """Called after verification, once ``state`` includes the accepted tokens and the next token."""
+    def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
+               drafted: list[int]) -> None:
+        """Called after verification, once ``state`` includes the accepted tokens and the next token.
+
+        path_len: accepted path length per row (root included, 0 for finished rows); drafted: the
+        tree's draft nodes per row. Both are host lists the decode loop already has.
+        """
 
     def observe_step(self, tree_size: int, seconds: float) -> None:
         """The measured target forward time over this step's tree (for cost-aware drafters)."""

@@ -95,7 +95,8 @@ class DraftModelDrafter(Drafter):
         self.runner.commit(path, counts, True, max(seen))
         self._seen = seen
 
-    def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int]) -> None:
+    def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
+               drafted: list[int]) -> None:
         # Valid draft KV: the committed prefix the draft computed, i.e. up to the last accepted draft
         # token it has seen. state.seq_lens_host now includes the accepted tokens and the next token.
         keep = [min(seen, total - 1) for seen, total in zip(self._seen, state.seq_lens_host)]

@@ -32,7 +32,7 @@ class NGrammysDrafter(Drafter):
     i.e. the context).
     """
 
-    def __init__(self, tables: NGramTables, k: int = 10, w: int = 10, q: int = 1,
+    def __init__(self, tables: NGramTables | None, k: int = 10, w: int = 10, q: int = 1,
                  strategy: str = "mixed", verify: str = "tree", cost: StepCost | None = None,
                  acceptance: "NodeAcceptance | None" = None):
         if k < 1 or w < 1 or q < 1:
@@ -41,6 +41,8 @@ class NGrammysDrafter(Drafter):
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if strategy != "context" and tables is None:
+            raise ValueError(f"strategy {strategy!r} needs the model's n-gram tables")
         if strategy != "context" and k > tables.bigram.shape[1]:
             raise ValueError(f"k={k} exceeds the bigram table's width {tables.bigram.shape[1]}")
         self.tables, self.k, self.w, self.q = tables, k, w, q
@@ -127,7 +129,8 @@ class NGrammysDrafter(Drafter):
         if self.cost is not None:
             self.cost.observe(tree_size, seconds)
 
-    def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int]) -> None:
+    def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
+               drafted: list[int]) -> None:
         if self._chain_of_node is None:
             return
         if self._slot is not None:
@@ -141,9 +144,9 @@ class NGrammysDrafter(Drafter):
         last = path.gather(1, (torch.tensor(path_len, device=path.device) - 1).clamp(min=0)[:, None]).squeeze(1)
         chain = self._chain_of_node.gather(1, last[:, None]).squeeze(1)
         a = self.allocation
-        n_ctx = self._n_ctx.tolist()
+        n_ctx, chain = torch.stack([self._n_ctx, chain]).tolist()  # one host transfer
         slots = self.k if self.verify != "chain" else 1
-        for nc, c, n in zip(n_ctx, chain.tolist(), path_len):
+        for nc, c, n in zip(n_ctx, chain, path_len):
             if n == 0:  # a finished row
                 continue
             a["steps"] += 1

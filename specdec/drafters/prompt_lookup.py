@@ -45,10 +45,10 @@ class PromptLookupDrafter(Drafter):
         if self.cost is not None:
             self.cost.observe(tree_size, seconds)
 
-    def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int]) -> None:
+    def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
+               drafted: list[int]) -> None:
         if self.acceptance is None or not self._signal:
             return
-        drafted = tree.num_drafted.tolist()
         for n, d, a in zip(self._signal, drafted, path_len):
             if n > 0:
                 self.acceptance.update(n, d, a - 1)
