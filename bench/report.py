@@ -27,7 +27,27 @@ def markdown(result: dict) -> str:
         ident = "-" if s[m]["identical_rate"] is None else f"{s[m]['identical_rate']:.0%}"
         rows.append(f"| {m} | {s[m]['tokens_per_second']:.1f} | {s[m]['speedup']:.2f}x | {s[m]['tokens_per_call']:.2f} "
                     f"| {acc} | {ident} |")
-    return "\n".join(rows)
+    alloc = allocation(runs, methods)
+    return "\n".join(rows + ([""] + alloc if alloc else []))
+
+
+def allocation(runs: list[dict], methods: list[str]) -> list[str]:
+    """N-Grammys' per-source table: draft nodes per call, share of draft slots filled from the
+    context, and accepted tokens by source (the paper's allocation ablation)."""
+    s = summarize(runs)
+    rows = []
+    for m in methods:
+        a = s[m].get("drafter", {}).get("allocation")
+        if not a:
+            continue
+        rs = [r for r in runs if r["method"] == m]
+        nodes = sum(r["drafted_tokens"] or 0 for r in rs) / max(1, sum(r["target_calls"] for r in rs))
+        slots = a["context_slots"] + a["bigram_slots"]
+        rows.append(f"| {m} | {nodes:.1f} | {a['context_slots'] / max(1, slots):.0%} | {a['context_accepted']} "
+                    f"| {a['bigram_accepted']} |")
+    head = ["| method | draft nodes per call | context share of slots | accepted from context | accepted from bigram |",
+            "|---|---|---|---|---|"]
+    return head + rows if rows else []
 
 
 def main() -> None:
