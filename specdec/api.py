@@ -18,7 +18,7 @@ from specdec.verify import SamplingConfig
 METHODS = ("ar", "sd", "pld", "ngrammys")
 NEEDS_DRAFT = {"sd"}
 SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic"), "ngrammys": ("cost", "static")}
-NGRAMMYS_DEFAULTS = {"k": 10, "w": 10, "q": 1, "strategy": "mixed", "verify": "tree"}
+NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "strategy": "mixed", "verify": "tree"}
 
 
 @dataclass
