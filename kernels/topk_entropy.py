@@ -71,7 +71,7 @@ def _finish(KEYS_ROW, m, s, t, PROBS, IDS, ENT, LSE, row, k, K_PAD: tl.constexpr
             tl.store(IDS + row * k + j, idx)
             keys = tl.where(keys == best, NONE, keys)
     else:
-        x, idx = _from_key(tl.topk(KEYS_ROW, K_PAD))  # sorted, descending
+        x, idx = _from_key(tl.sort(KEYS_ROW, descending=True))
         j = tl.arange(0, K_PAD)
         tl.store(PROBS + row * k + j, tl.exp(x - lse), mask=j < k)
         tl.store(IDS + row * k + j, idx, mask=j < k)
@@ -196,8 +196,10 @@ def topk_entropy(
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return probs, ids, entropy, lse
-    k_pad = triton.next_power_of_2(k)
-    block_v = max(k_pad, min(2048, triton.next_power_of_2(v)))
+    # tl.topk must select from strictly more than K_PAD >= 2 entries: with k == 1 or with a tile no
+    # wider than K_PAD its bitonic reduction ends in a scalar, which Triton 3.6 fails to compile.
+    k_pad = max(2, triton.next_power_of_2(k))
+    block_v = max(2 * k_pad, min(2048, triton.next_power_of_2(v)))
     splits = num_splits or _num_splits(n, v, block_v, dev)
     chunk = triton.cdiv(triton.cdiv(v, splits), block_v) * block_v
     splits = triton.cdiv(v, chunk)  # no empty split
