@@ -18,7 +18,7 @@ from specdec.verify import SamplingConfig
 METHODS = ("ar", "sd", "pld", "ngrammys")
 NEEDS_DRAFT = {"sd"}
 SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic"), "ngrammys": ("cost", "static")}
-NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "strategy": "mixed", "verify": "tree"}
+NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "n_max": 4, "strategy": "mixed", "verify": "tree"}
 
 
 @dataclass
@@ -108,7 +108,8 @@ class SpecDecoder:
         cut to the length with the most expected tokens per second, from the measured step cost and the
         acceptance learned per matched n-gram size), ``static`` or transformers' ``heuristic``;
         sd: ``draft_length`` (5), ``schedule`` ``static`` (default) or ``heuristic``;
-        ngrammys: ``k`` drafts of ``w`` tokens, context query length ``q``, ``strategy`` (``mixed``,
+        ngrammys: ``k`` drafts of ``w`` tokens, context query length ``q``, longest-suffix matches up to
+        ``n_max`` tokens ranked first (``n_max <= q``: off), ``strategy`` (``mixed``,
         ``context``, ``bigram``) and ``verify`` (``tree``, ``batch``, ``chain``), defaults in
         ``NGRAMMYS_DEFAULTS``; ``schedule`` ``cost`` (default: each row's tree is pruned to the nodes
         worth their measured verification cost, by acceptance learned per source, rank and depth) or

@@ -26,6 +26,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=None, help="ngrammys: drafts per step")
     p.add_argument("--w", type=int, default=None, help="ngrammys: tokens per draft")
     p.add_argument("--q", type=int, default=None, help="ngrammys: context query length")
+    p.add_argument("--n-max", type=int, default=None,
+                   help="ngrammys: longest suffix matched first (default 4; <= q turns that tier off)")
     p.add_argument("--strategy", choices=["mixed", "context", "bigram"], default=None, help="ngrammys draft sources")
     p.add_argument("--verify", choices=["tree", "batch", "chain"], default=None,
                    help="ngrammys verification: trie (default), k branches (the paper's batch rows), best draft only")
@@ -34,7 +36,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _method_options(args, method: str) -> dict:
     names = {"pld": {"num_tokens": args.num_tokens, "schedule": args.schedule},
              "sd": {"draft_length": args.draft_length, "schedule": args.schedule},
-             "ngrammys": {"k": args.k, "w": args.w, "q": args.q, "strategy": args.strategy, "verify": args.verify,
+             "ngrammys": {"k": args.k, "w": args.w, "q": args.q, "n_max": args.n_max, "strategy": args.strategy, "verify": args.verify,
                           "schedule": args.schedule}}
     return {k: v for k, v in names.get(method, {}).items() if v is not None}
 
@@ -110,6 +112,7 @@ def _distill_args(d: argparse.ArgumentParser) -> None:
     a("--no-autocast", dest="autocast", action="store_false", help="train in fp32 (default: bf16 autocast)")
     a("--save-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     a("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    a("--device", default="cpu", help="where the target generates and the draft trains: cpu (default) or cuda")
     a("--seed", type=int, default=0)
     a("--resume", action="store_true", help="continue training from WORK/ckpt.pt")
 

@@ -43,6 +43,21 @@ def test_ngrammys_ragged_batch():
     assert alloc["steps"] > 0 and alloc["context_slots"] + alloc["bigram_slots"] == 6 * alloc["steps"]
 
 
+def test_context_drafts_put_the_longest_match_first_by_hand():
+    from specdec.drafters.base import DecodeState
+    from specdec.drafters.ngrammys import NGrammysDrafter
+
+    seq = torch.tensor([REPETITIVE])
+    state = DecodeState(seq, torch.tensor([len(REPETITIVE)]), [len(REPETITIVE)])
+    # The suffix 7 8 5 6 occurred once before (then 7 9 5); the last token 6 three times (7 8 5 twice, 7 9 5 once).
+    drafts, n, n_long = NGrammysDrafter(None, k=4, w=3, strategy="context").context_drafts(state, 3)
+    assert drafts[0].tolist() == [[7, 9, 5], [7, 8, 5], [-1] * 3, [-1] * 3]  # the repeat of 7 9 5 is dropped
+    assert n.tolist() == [2] and n_long.tolist() == [1]
+    drafts, n, n_long = NGrammysDrafter(None, k=4, w=3, n_max=1, strategy="context").context_drafts(state, 3)
+    assert drafts[0].tolist() == [[7, 8, 5], [7, 9, 5], [-1] * 3, [-1] * 3]  # q-matches alone, by count
+    assert n.tolist() == [2] and n_long.tolist() == [0]
+
+
 def test_ngrammys_options_are_checked():
     dec = SpecDecoder(tiny_model("llama"))
     for bad in ({"k": 0}, {"strategy": "unigram"}, {"verify": "dense"}, {"kk": 3}, {"k": 64}):

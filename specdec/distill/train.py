@@ -63,7 +63,15 @@ def make_batches(examples: list[Example], max_tokens: int, seed: int) -> list[li
     return batches
 
 
-def _collate(batch: list[Example], draft: SpecdecDraftForCausalLM):
+@dataclass
+class _VocabMaps:
+    """Host copies of the draft's vocabulary maps, so batches are built on the CPU whatever the device."""
+    draft_vocab: torch.Tensor
+    target_to_draft: torch.Tensor
+    draft_vocab_size: int
+
+
+def _collate(batch: list[Example], draft: "SpecdecDraftForCausalLM | _VocabMaps"):
     width = max(len(e.ids) for e in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.int64)  # right padding: causal attention never sees it
     rows, cols, lps, idxs = [], [], [], []
@@ -81,9 +89,10 @@ def _collate(batch: list[Example], draft: SpecdecDraftForCausalLM):
 
 def distill_loss(draft: SpecdecDraftForCausalLM, batch: list[Example], autocast: bool = False):
     """Mean cross-entropy against the renormalised target top-k, and top-1 agreement (a float)."""
-    ids, rows, cols, d_idx, lp = _collate(batch, draft)
+    dev = draft.draft_vocab.device
+    ids, rows, cols, d_idx, lp = (x.to(dev) for x in _collate(batch, getattr(draft, "cpu_vocab", None) or draft))
     keep = torch.isfinite(lp).any(-1)  # positions whose whole top-k lies outside the draft vocab teach nothing
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
         hidden = draft.model(input_ids=draft.target_to_draft[ids], use_cache=False).last_hidden_state
         logits = draft.lm_head(hidden[rows, cols])[:, : draft.draft_vocab_size]
     logq = logits.float().log_softmax(-1)
@@ -91,7 +100,7 @@ def distill_loss(draft: SpecdecDraftForCausalLM, batch: list[Example], autocast:
     loss = -(p * logq.gather(1, d_idx)).sum(-1)
     loss = loss[keep].mean() if bool(keep.any()) else logq.sum() * 0
     # top-1 agreement in target ids: the target's argmax is top-k column 0
-    target_top = torch.cat([e.topk_idx[:, 0] for e in batch])
+    target_top = torch.cat([e.topk_idx[:, 0] for e in batch]).to(dev)
     agree = (draft.draft_vocab[logits.argmax(-1)] == target_top).float().mean().item()
     return loss, agree
 
@@ -196,7 +205,7 @@ def run_distill(args) -> dict:
         logf.write(json.dumps({"t": round(time.time() - t0), **row}) + "\n")
         logf.flush()
 
-    dec = SpecDecoder(args.target, dtype=args.gen_dtype)
+    dec = SpecDecoder(args.target, dtype=args.gen_dtype, device=args.device)
     prompts = read_prompts(args.prompts, dec, args.limit)
     passes = [("prompt", None)] * args.teacher_forcing + [("greedy", 0.0)] + \
         [(f"sample{i}", args.temperature) for i in range(args.samples)]
@@ -226,9 +235,11 @@ def run_distill(args) -> dict:
     log({"stage": "vocab", "size": int(vocab.numel()), "train_coverage": coverage(counts, vocab), "held_out_coverage": cov})
 
     layers = [int(i) for i in args.layers.split(",")]
-    target32 = dec.model.float() if args.gen_dtype != "fp32" else dec.model
+    target32 = dec.model.float().cpu()
     draft = draft_from_target(target32, layers, vocab, args.target)
     del dec, target32
+    draft.cpu_vocab = _VocabMaps(draft.draft_vocab.clone(), draft.target_to_draft.clone(), draft.draft_vocab_size)
+    draft.to(args.device)
     greedy = {id(r) for r in greedy_recs}
     examples = [e for r in train_recs for e in make_examples([r], args.max_context, id(r) in greedy)]
     held_out = make_examples(held_recs, args.max_context, True)
@@ -240,7 +251,8 @@ def run_distill(args) -> dict:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    draft.to(torch.bfloat16 if args.save_dtype == "bf16" else torch.float16 if args.save_dtype == "fp16"
+    del draft.cpu_vocab
+    draft.cpu().to(torch.bfloat16 if args.save_dtype == "bf16" else torch.float16 if args.save_dtype == "fp16"
              else torch.float32).save_pretrained(out)
     from transformers import AutoTokenizer
     from specdec.hub import resolve

@@ -1,9 +1,11 @@
 """N-Grammys (Stewart et al. 2024): k learning-free drafts of w tokens per step, verified together.
 
-Each step fills ``k`` draft slots per row: first with context matches (the continuations of the
-last ``q`` tokens' earlier occurrences, ranked by count then recency, from
-:func:`specdec.kernels.ngram_match`), then with extended-bigram rows of the last token (the
-model's own top-k next tokens, each chained with the top-1 bigram; :mod:`specdec.ngram_tables`).
+Each step fills ``k`` draft slots per row: first with context matches, then with extended-bigram
+rows of the last token (the model's own top-k next tokens, each chained with the top-1 bigram;
+:mod:`specdec.ngram_tables`). Context matches come from :func:`specdec.kernels.ngram_match` in two
+tiers: the continuations of the longest suffix of ``q + 1 .. n_max`` tokens that occurred before
+(what prompt lookup drafts; a longer match predicts better), then those of the last ``q`` tokens
+(the paper's query), each tier ranked by count then recency, with repeats dropped.
 The drafts are verified in one target pass, either as the trie they form (``verify="tree"``,
 shared prefixes verified once), as ``k`` separate branches under the root (``verify="batch"``,
 the paper's k batch rows without the k-1 copies of the root), or only the best draft
@@ -24,7 +26,8 @@ VERIFY_MODES = ("tree", "batch", "chain")
 
 
 class NGrammysDrafter(Drafter):
-    """``k`` drafts of up to ``w`` tokens per row; context query length ``q`` (the paper's q = 1).
+    """``k`` drafts of up to ``w`` tokens per row; context query length ``q`` (the paper's q = 1), and
+    longest-suffix matches of up to ``n_max`` tokens ranked first (``n_max <= q`` turns that tier off).
 
     ``strategy``: ``mixed`` (context first, bigram fills the rest), ``context`` or ``bigram`` only.
     ``allocation`` counts, over all steps and rows, the slots each source filled and the accepted
@@ -32,7 +35,7 @@ class NGrammysDrafter(Drafter):
     i.e. the context).
     """
 
-    def __init__(self, tables: NGramTables | None, k: int = 10, w: int = 10, q: int = 1,
+    def __init__(self, tables: NGramTables | None, k: int = 10, w: int = 10, q: int = 1, n_max: int = 4,
                  strategy: str = "mixed", verify: str = "tree", cost: StepCost | None = None,
                  acceptance: "NodeAcceptance | None" = None):
         if k < 1 or w < 1 or q < 1:
@@ -45,7 +48,7 @@ class NGrammysDrafter(Drafter):
             raise ValueError(f"strategy {strategy!r} needs the model's n-gram tables")
         if strategy != "context" and k > tables.bigram.shape[1]:
             raise ValueError(f"k={k} exceeds the bigram table's width {tables.bigram.shape[1]}")
-        self.tables, self.k, self.w, self.q = tables, k, w, q
+        self.tables, self.k, self.w, self.q, self.n_max = tables, k, w, q, n_max
         self.strategy, self.verify = strategy, verify
         self.cost = cost
         self.acceptance = acceptance if acceptance is not None else (NodeAcceptance(k, w) if cost else None)
@@ -53,6 +56,7 @@ class NGrammysDrafter(Drafter):
         self._ext: torch.Tensor | None = None
         self._chain_of_node: torch.Tensor | None = None
         self._n_ctx: torch.Tensor | None = None
+        self._n_long: torch.Tensor | None = None
         self.allocation = {"steps": 0, "context_slots": 0, "bigram_slots": 0,
                            "context_accepted": 0, "bigram_accepted": 0}
 
@@ -61,6 +65,28 @@ class NGrammysDrafter(Drafter):
             self._ext = self.tables.extended(self.w, device)
         return self._ext
 
+    def context_drafts(self, state: DecodeState, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[B,k,w]`` context drafts (-1 padded, best first), ``[B]`` how many there are, and ``[B]`` how
+        many of them (the first) continue the longest matching suffix."""
+        k = self.k
+        width = max(state.seq_lens_host)
+        seq = state.seq[:, :width]
+        ctx, _, counts, _ = kernels.ngram_match(seq, state.seq_lens, self.q, self.q, k, w)
+        found = counts > 0
+        if self.n_max <= self.q:
+            return ctx, found.sum(-1), torch.zeros_like(found.sum(-1))
+        long, _, long_counts, _ = kernels.ngram_match(seq, state.seq_lens, self.q + 1, self.n_max, k, w)
+        long_found = long_counts > 0
+        # A q-match continuation equal to a longer match's is a repeat: drop it.
+        repeat = ((ctx[:, :, None, :] == long[:, None, :, :]).all(-1) & long_found[:, None, :]).any(-1)
+        both = torch.cat([long, ctx], 1)  # [B,2k,w]
+        keep = torch.cat([long_found, found & ~repeat], 1)
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :k]  # kept first, in order
+        drafts = both.gather(1, order[:, :, None].expand(-1, -1, w))
+        n = keep.sum(-1).clamp(max=k)
+        drafts = drafts.masked_fill((torch.arange(k, device=seq.device)[None] >= n[:, None])[:, :, None], -1)
+        return drafts, n, long_found.sum(-1)
+
     def drafts(self, state: DecodeState, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B,k,w]`` drafts (-1 padded, best first) and ``[B]`` how many came from the context."""
         b = state.seq.shape[0]
@@ -68,11 +94,10 @@ class NGrammysDrafter(Drafter):
         k = self.k
         if self.strategy == "bigram":
             n_ctx = torch.zeros(b, dtype=torch.int64, device=dev)
+            self._n_long = n_ctx
             ctx = torch.full((b, k, w), -1, dtype=torch.int64, device=dev)
         else:
-            width = max(state.seq_lens_host)
-            ctx, _, counts, _ = kernels.ngram_match(state.seq[:, :width], state.seq_lens, self.q, self.q, k, w)
-            n_ctx = (counts > 0).sum(-1)
+            ctx, n_ctx, self._n_long = self.context_drafts(state, w)
         if self.strategy == "context":
             return ctx, n_ctx
         slot = torch.arange(k, device=dev)[None, :] - n_ctx[:, None]  # bigram rank for each remaining slot
@@ -104,10 +129,12 @@ class NGrammysDrafter(Drafter):
         sum of their estimates, so the kept count maximises ``(1 + sum) / cost(n + 1)``.
         """
         chain = self._chain_of_node
-        from_ctx = chain < self._n_ctx[:, None]
-        rank = torch.where(from_ctx, chain, chain - self._n_ctx[:, None]).clamp(0, self.k - 1)
+        n_long, n_ctx = self._n_long[:, None], self._n_ctx[:, None]
+        source = (chain < n_ctx).long() + (chain < n_long).long()  # 0 bigram, 1 context (q), 2 longest match
+        start = torch.where(source == 2, 0, torch.where(source == 1, n_long, n_ctx))
+        rank = (chain - start).clamp(0, self.k - 1)
         depth = (tree.depth - 1).clamp(0, self.w - 1)
-        cell = (from_ctx.long() * self.k + rank) * self.w + depth  # [B,T]
+        cell = (source * self.k + rank) * self.w + depth  # [B,T]
         p = self.acceptance.rates(tree.tokens.device).gather(0, cell.reshape(-1)).reshape(cell.shape)
         p = torch.where(tree.valid, p, 0.0)
         p[:, 0] = 1.0
@@ -162,8 +189,9 @@ class NGrammysDrafter(Drafter):
 class NodeAcceptance:
     """How often a draft node was accepted, per cell (source, rank, depth), with a Beta prior.
 
-    The prior expects context matches to be accepted more often than bigram rows, and deeper or
-    lower-ranked nodes less often; measured counts take over after a few steps.
+    Sources: 0 bigram rows, 1 matches of the last ``q`` tokens, 2 longest-suffix matches. The prior
+    expects longer matches to be accepted more often than short ones and those more than bigram rows,
+    and deeper or lower-ranked nodes less often; measured counts take over after a few steps.
     """
 
     def __init__(self, k: int, w: int, prior_weight: float = 2.0):
@@ -171,13 +199,14 @@ class NodeAcceptance:
         depth = torch.arange(w, dtype=torch.float64)[None, :]
         ctx = 0.5 * 0.8**depth / (1 + rank)
         big = 0.25 * 0.6**depth / (1 + rank)
-        prior = torch.stack([big, ctx]).reshape(-1)  # cell = (source * k + rank) * w + depth, source 1 = context
+        long = 0.6 * 0.85**depth / (1 + rank)
+        prior = torch.stack([big, ctx, long]).reshape(-1)  # cell = (source * k + rank) * w + depth
         self.accepted = prior * prior_weight
         self.proposed = torch.full_like(prior, prior_weight)
         self._rates: torch.Tensor | None = None
 
     def rates(self, device) -> torch.Tensor:
-        """``[2*k*w] float`` acceptance estimate of each cell."""
+        """``[3*k*w] float`` acceptance estimate of each cell."""
         if self._rates is None or self._rates.device != torch.device(device):
             self._rates = (self.accepted / self.proposed).float().to(device)
         return self._rates
