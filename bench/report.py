@@ -1,6 +1,10 @@
-"""Markdown tables from a ``specdec bench --json`` file: overall and per category.
+"""Markdown tables from ``specdec bench --json`` files: overall and per category.
 
     python -m bench.report bench/results/issue2_bf16.json
+    python -m bench.report shard_a.json shard_b.json --out merged.json   # runs of several shards, merged
+
+Shards are runs of the same methods over disjoint prompt sets (e.g. two one-thread processes, one per
+core); their runs are pooled, and every ratio is still computed from runs interleaved within a process.
 """
 from __future__ import annotations
 
@@ -52,9 +56,19 @@ def allocation(runs: list[dict], methods: list[str]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json")
-    with open(ap.parse_args().json) as f:
-        print(markdown(json.load(f)))
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--out", default=None, help="write the merged bench JSON here")
+    args = ap.parse_args()
+    parts = []
+    for path in args.json:
+        with open(path) as f:
+            parts.append(json.load(f))
+    runs = [r for p in parts for r in p["runs"]]
+    merged = {"config": {**parts[0]["config"], "shards": len(parts)}, "runs": runs, "summary": summarize(runs)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(merged, f, indent=1)
+    print(markdown(merged))
 
 
 if __name__ == "__main__":

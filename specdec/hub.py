@@ -88,6 +88,17 @@ def resolve(name_or_path: str) -> Path:
         f"unknown model {name_or_path!r}: use one of {sorted(EMBEDDED) + sorted(DRAFTS)} or a local transformers model folder")
 
 
+def tokenizer_path(path: Path) -> Path:
+    """Where the tokenizer of the model folder ``path`` lives: the folder itself, or for a distilled
+    draft shipped without one (it shares its target's), its target's folder."""
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return path
+    import json
+
+    target = json.loads((path / "config.json").read_text()).get("target_model")
+    return resolve(target) if target and target != str(path) else path
+
+
 def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str = "cpu"):
     """Load ``(model, tokenizer)`` for a causal LM; ``dtype`` is ``fp32``, ``bf16`` or ``fp16``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,7 +108,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str
             raise ValueError(f"unknown dtype {dtype!r}: use one of fp32, bf16, fp16")
         dtype = DTYPES[dtype]
     path = resolve(name_or_path)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_path(path))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except ValueError as exc:

@@ -141,6 +141,16 @@ def test_shipped_draft_is_small_and_resolves():
     assert size <= 25_000_000, size
 
 
+def test_shipped_draft_borrows_its_targets_tokenizer():
+    from specdec.hub import tokenizer_path
+
+    assert not (resolve("smollm2-draft") / "tokenizer.json").exists()  # shipped without one, to stay small
+    assert tokenizer_path(resolve("smollm2-draft")) == resolve("smollm2")
+    _, tok = load_model("smollm2-draft", "fp32")
+    _, target_tok = load_model("smollm2", "fp32")
+    assert tok.get_vocab() == target_tok.get_vocab() and tok.chat_template == target_tok.chat_template
+
+
 @pytest.mark.parametrize("prompt", SHIPPED_PROMPTS)
 def test_sd_with_shipped_draft_is_lossless_on_embedded_model(prompt):
     out = specdec.generate(prompt, method="sd", draft="smollm2-draft", max_new_tokens=32)
