@@ -132,7 +132,6 @@ def speculative_generate(
         td = time.perf_counter()
         k = min(policy.length(), out.remaining() - 1)
         tree = drafter.propose(state, k)
-        tree = tree.pad(drafter.verify_size(tree.size))
         stats.draft_s += time.perf_counter() - td
 
         ts = time.perf_counter()

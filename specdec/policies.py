@@ -55,24 +55,7 @@ class StepCost:
             self.table[t] = seconds
             self.sizes = sorted(self.table)
 
-    def bucket(self, t: int) -> int:
-        """The tree size to verify ``t`` nodes in: the measured size ``>= t`` with the lowest cost.
-
-        Small-matrix kernels are not monotone in the row count (on one AVX2 CPU an fp32 forward over
-        6 tokens took 91 ms and over 2 tokens 100 ms), so padding a tree to a cheaper shape saves time.
-        """
-        best, best_cost = t, self.raw(t)
-        for s in self.sizes:
-            if s > t and self.table[s] < best_cost:
-                best, best_cost = s, self.table[s]
-        return best
-
     def __call__(self, t: int) -> float:
-        """Seconds to verify ``t`` nodes, padded to :meth:`bucket` (so never more than for a larger tree)."""
-        return self.raw(self.bucket(t))
-
-    def raw(self, t: int) -> float:
-        """Measured (interpolated) seconds of a forward over exactly ``t`` tokens."""
         sizes = self.sizes
         if t <= sizes[0]:
             return self.table[sizes[0]]

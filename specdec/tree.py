@@ -188,25 +188,6 @@ class DraftTree:
             probs = self.draft_probs.gather(1, old[:, :, None].expand(-1, -1, self.draft_probs.shape[-1]))
         return DraftTree.from_parents(tokens, parents, valid, probs), old
 
-    def pad(self, size: int) -> "DraftTree":
-        """The same tree with invalid (never accepted) nodes appended up to ``size`` slots.
-
-        Used to verify in a shape the target runs faster (see :meth:`specdec.policies.StepCost.bucket`).
-        A chain stays a chain: its padding comes after its last node, which causal attention keeps
-        out of every real node's view. Trees with proposal distributions are returned as they are.
-        """
-        extra = size - self.size
-        if extra <= 0 or self.draft_probs is not None:
-            return self
-        b, dev = self.tokens.shape[0], self.tokens.device
-        tokens = torch.cat([self.tokens, self.tokens[:, :1].expand(b, extra)], 1)
-        valid = torch.cat([self.valid, torch.zeros(b, extra, dtype=torch.bool, device=dev)], 1)
-        if self.mask is None:
-            ar = torch.arange(size, device=dev)
-            return DraftTree(tokens, (ar - 1).expand(b, size).clone(), valid, ar.expand(b, size).clone(), None)
-        parents = torch.cat([self.parents, torch.zeros(b, extra, dtype=torch.int64, device=dev)], 1)
-        return DraftTree.from_parents(tokens, parents, valid)
-
     def positions(self, cache_lens: torch.Tensor) -> torch.Tensor:
         """Absolute positions ``[B,T]`` of the nodes, given committed lengths ``[B]``."""
         return cache_lens[:, None] + self.depth

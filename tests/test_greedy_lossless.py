@@ -90,15 +90,3 @@ def test_ragged_batch_matches_rows_alone(arch, method):
     out = dec.generate_ids(prompts, method, 20, GREEDY)
     for p, toks in zip(prompts, out.tokens):
         assert toks == hf_generate(dec.model, p, 20, GREEDY)
-
-
-@pytest.mark.parametrize("method", ["pld", "ngrammys"])
-def test_padding_to_a_cheaper_shape_is_lossless(arch, method):
-    from specdec.policies import StepCost
-
-    dec = decoder(arch)
-    dec._step_cost = StepCost({1: 1.0, 2: 3.0, 16: 0.5})  # every tree is verified padded to 16 slots
-    prompts = [prompt_of(6, seed=6), prompt_of(45, seed=45)]
-    out = dec.generate_ids(prompts, method, 30, GREEDY)
-    assert out.tokens == [hf_generate(dec.model, p, 30, GREEDY) for p in prompts]
-    assert out.stats.drafted_tokens > 0

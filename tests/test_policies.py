@@ -52,10 +52,3 @@ def test_heuristic_schedule_matches_transformers():
     assert pol.length() == 1
     with pytest.raises(ValueError):
         StaticLength(0)
-
-
-def test_step_cost_buckets_to_a_cheaper_larger_shape():
-    cost = StepCost({1: 1.0, 2: 1.6, 4: 1.8, 6: 1.5, 8: 1.7, 16: 2.5})
-    assert [cost.bucket(t) for t in (1, 2, 3, 4, 5, 6, 7, 8, 9, 20)] == [1, 6, 6, 6, 6, 6, 7, 8, 9, 20]
-    assert cost(2) == cost.raw(6) == 1.5 and cost(1) == 1.0 and cost.raw(2) == 1.6
-    assert all(cost(t) <= cost.raw(t) for t in range(1, 20))

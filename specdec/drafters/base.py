@@ -53,11 +53,6 @@ class Drafter:
     def observe_step(self, tree_size: int, seconds: float) -> None:
         """The measured target forward time over this step's tree (for cost-aware drafters)."""
 
-    def verify_size(self, tree_size: int) -> int:
-        """How many node slots to verify a ``tree_size``-node tree in (padding is never accepted):
-        more than ``tree_size`` where the target is measured to run that shape faster."""
-        return tree_size
-
     def summary(self) -> dict:
         """Drafter-specific statistics of the last generation (JSON-serialisable)."""
         return {}

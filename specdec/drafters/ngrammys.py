@@ -156,20 +156,15 @@ class NGrammysDrafter(Drafter):
         if self.cost is not None:
             self.cost.observe(tree_size, seconds)
 
-    def verify_size(self, tree_size: int) -> int:
-        return self.cost.bucket(tree_size) if self.cost is not None else tree_size
-
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
                drafted: list[int]) -> None:
         if self._chain_of_node is None:
             return
         if self._slot is not None:
-            t = self._slot.shape[1]  # nodes past it are padding added for a cheaper verification shape
             lens = torch.tensor(path_len, device=path.device)
             on_path = torch.zeros_like(tree.valid)
             on_path.scatter_(1, path.clamp(min=0), (torch.arange(path.shape[1], device=path.device)[None] < lens[:, None]))
-            on_path = on_path[:, :t]
-            live = tree.valid[:, :t] & (lens[:, None] > 0)
+            live = tree.valid & (lens[:, None] > 0)
             live[:, 0] = False
             self.acceptance.update(self._slot[live], on_path[live])
             self._slot = None

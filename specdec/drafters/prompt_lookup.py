@@ -45,9 +45,6 @@ class PromptLookupDrafter(Drafter):
         if self.cost is not None:
             self.cost.observe(tree_size, seconds)
 
-    def verify_size(self, tree_size: int) -> int:
-        return self.cost.bucket(tree_size) if self.cost is not None else tree_size
-
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
                drafted: list[int]) -> None:
         if self.acceptance is None or not self._signal:
