@@ -32,6 +32,8 @@
 #include <limits>
 #include <tuple>
 
+#include "ngram_match_checks.h"
+
 namespace specdec {
 namespace {
 
@@ -165,17 +167,9 @@ __global__ void __launch_bounds__(kThreads) ngram_match_kernel(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ngram_match_cuda(const at::Tensor& tokens,
                                                                             const at::Tensor& lengths, int64_t n_min,
                                                                             int64_t n_max, int64_t k, int64_t w) {
-  TORCH_CHECK(tokens.dim() == 2, "ngram_match: tokens must be [B, L], got shape ", tokens.sizes());
-  TORCH_CHECK(tokens.scalar_type() == at::kLong, "ngram_match: tokens must be int64, got ", tokens.scalar_type());
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == tokens.size(0), "ngram_match: lengths must be [B] with B = ",
-              tokens.size(0), ", got shape ", lengths.sizes());
-  TORCH_CHECK(!at::isFloatingType(lengths.scalar_type()) && !at::isComplexType(lengths.scalar_type()) &&
-                  lengths.scalar_type() != at::kBool,
-              "ngram_match: lengths must be an integer tensor, got ", lengths.scalar_type());
+  check_ngram_match_args(tokens, lengths, n_min, n_max, k, w);
   TORCH_CHECK(tokens.is_cuda() && lengths.device() == tokens.device(),
               "ngram_match: tokens and lengths must be on one CUDA device");
-  TORCH_CHECK(1 <= n_min && n_min <= n_max, "ngram_match: need 1 <= n_min <= n_max, got ", n_min, ", ", n_max);
-  TORCH_CHECK(k >= 1 && w >= 1, "ngram_match: k and w must be >= 1, got k = ", k, ", w = ", w);
   TORCH_CHECK(k <= INT32_MAX && w <= INT32_MAX && tokens.size(1) < INT32_MAX, "ngram_match: sizes must fit in int32");
   c10::cuda::CUDAGuard guard(tokens.device());
   const int64_t B = tokens.size(0), max_len = tokens.size(1);

@@ -7,6 +7,7 @@ the cache folder (``$SPECDEC_CACHE``, default ``~/.cache/specdec``); later loads
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,10 +94,8 @@ def tokenizer_path(path: Path) -> Path:
     draft shipped without one (it shares its target's), its target's folder."""
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return path
-    import json
-
     target = json.loads((path / "config.json").read_text()).get("target_model")
-    return resolve(target) if target and target != str(path) else path
+    return resolve(target) if target else path
 
 
 def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str = "cpu"):

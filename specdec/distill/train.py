@@ -63,15 +63,8 @@ def make_batches(examples: list[Example], max_tokens: int, seed: int) -> list[li
     return batches
 
 
-@dataclass
-class _VocabMaps:
-    """Host copies of the draft's vocabulary maps, so batches are built on the CPU whatever the device."""
-    draft_vocab: torch.Tensor
-    target_to_draft: torch.Tensor
-    draft_vocab_size: int
-
-
-def _collate(batch: list[Example], draft: "SpecdecDraftForCausalLM | _VocabMaps"):
+def _collate(batch: list[Example], draft: SpecdecDraftForCausalLM):
+    """Build a batch on the host; return its tensors on the draft's device."""
     width = max(len(e.ids) for e in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.int64)  # right padding: causal attention never sees it
     rows, cols, lps, idxs = [], [], [], []
@@ -82,15 +75,17 @@ def _collate(batch: list[Example], draft: "SpecdecDraftForCausalLM | _VocabMaps"
         cols.append(torch.arange(e.first, e.first + g))
         lps.append(e.topk_lp)
         idxs.append(e.topk_idx)
-    d_idx = draft.target_to_draft[torch.cat(idxs)]           # [N,K] draft ids; Vd = outside the draft vocab
-    lp = torch.cat(lps).masked_fill(d_idx == draft.draft_vocab_size, float("-inf"))
-    return ids, torch.cat(rows), torch.cat(cols), d_idx.clamp(max=draft.draft_vocab_size - 1), lp
+    dev = draft.target_to_draft.device
+    d_idx = draft.target_to_draft[torch.cat(idxs).to(dev)]   # [N,K] draft ids; Vd = outside the draft vocab
+    lp = torch.cat(lps).to(dev).masked_fill(d_idx == draft.draft_vocab_size, float("-inf"))
+    return (ids.to(dev), torch.cat(rows).to(dev), torch.cat(cols).to(dev), d_idx.clamp(max=draft.draft_vocab_size - 1),
+            lp)
 
 
 def distill_loss(draft: SpecdecDraftForCausalLM, batch: list[Example], autocast: bool = False):
     """Mean cross-entropy against the renormalised target top-k, and top-1 agreement (a float)."""
     dev = draft.draft_vocab.device
-    ids, rows, cols, d_idx, lp = (x.to(dev) for x in _collate(batch, getattr(draft, "cpu_vocab", None) or draft))
+    ids, rows, cols, d_idx, lp = _collate(batch, draft)
     keep = torch.isfinite(lp).any(-1)  # positions whose whole top-k lies outside the draft vocab teach nothing
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
         hidden = draft.model(input_ids=draft.target_to_draft[ids], use_cache=False).last_hidden_state
@@ -238,7 +233,6 @@ def run_distill(args) -> dict:
     target32 = dec.model.float().cpu()
     draft = draft_from_target(target32, layers, vocab, args.target)
     del dec, target32
-    draft.cpu_vocab = _VocabMaps(draft.draft_vocab.clone(), draft.target_to_draft.clone(), draft.draft_vocab_size)
     draft.to(args.device)
     greedy = {id(r) for r in greedy_recs}
     examples = [e for r in train_recs for e in make_examples([r], args.max_context, id(r) in greedy)]
@@ -251,7 +245,6 @@ def run_distill(args) -> dict:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    del draft.cpu_vocab
     draft.cpu().to(torch.bfloat16 if args.save_dtype == "bf16" else torch.float16 if args.save_dtype == "fp16"
              else torch.float32).save_pretrained(out)
     from transformers import AutoTokenizer

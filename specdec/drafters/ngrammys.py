@@ -74,7 +74,8 @@ class NGrammysDrafter(Drafter):
         ctx, _, counts, _ = kernels.ngram_match(seq, state.seq_lens, self.q, self.q, k, w)
         found = counts > 0
         if self.n_max <= self.q:
-            return ctx, found.sum(-1), torch.zeros_like(found.sum(-1))
+            n = found.sum(-1)
+            return ctx, n, torch.zeros_like(n)
         long, _, long_counts, _ = kernels.ngram_match(seq, state.seq_lens, self.q + 1, self.n_max, k, w)
         long_found = long_counts > 0
         # A q-match continuation equal to a longer match's is a repeat: drop it.
