@@ -35,11 +35,13 @@ def main() -> None:
     ap.add_argument("--dtype", action="append", default=None, help="fp32, bf16 or fp16 (repeatable)")
     ap.add_argument("--context", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--linear", default="torch", choices=["torch", "skinny", "auto"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    out = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "context": args.context, "ms": {}}
+    out = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "context": args.context, "linear": args.linear,
+           "ms": {}}
     for dtype in args.dtype or ["bf16", "fp32"]:
-        dec = SpecDecoder(args.model, dtype=dtype)
+        dec = SpecDecoder(args.model, dtype=dtype, linear=args.linear)
         cost = StepCost.calibrate(dec.runner, context=args.context, repeats=args.repeats)
         out["ms"][dtype] = {t: round(v * 1000, 1) for t, v in cost.table.items()}
     sizes = sorted({t for row in out["ms"].values() for t in row})

@@ -56,17 +56,17 @@ class SpecDecoder:
     """
 
     def __init__(self, model: str | PreTrainedModel = DEFAULT_MODEL, draft: str | PreTrainedModel | None = None,
-                 dtype: str = "fp32", tokenizer=None, device: str = "cpu"):
+                 dtype: str = "fp32", tokenizer=None, device: str = "cpu", linear: str = "torch"):
         if isinstance(model, PreTrainedModel):
             self.model, self.tokenizer = model.eval(), tokenizer
         else:
-            self.model, self.tokenizer = load_model(model, dtype, device)
+            self.model, self.tokenizer = load_model(model, dtype, device, linear)
         self.draft, draft_tok = None, None
         if draft is not None:
             if isinstance(draft, PreTrainedModel):
                 self.draft = draft.eval()
             else:
-                self.draft, draft_tok = load_model(draft, dtype, device)
+                self.draft, draft_tok = load_model(draft, dtype, device, linear)
             check_same_vocab(self.model, self.draft, self.tokenizer, draft_tok)
         self.runner = ModelRunner(self.model)
         self.draft_runner = ModelRunner(self.draft) if self.draft is not None else None

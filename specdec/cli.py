@@ -14,6 +14,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model (same vocabulary), needed by sd and hf-assisted")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--linear", default="torch", choices=["torch", "skinny", "auto"],
+                   help="linear layers of target and draft: torch's (default), specdec's skinny kernel (streams the "
+                        "weights once for all verified tokens, batch-invariant), or auto (skinny on CPU)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -50,7 +53,7 @@ def _sampling(args):
 def cmd_generate(args) -> int:
     from specdec.api import SpecDecoder
 
-    dec = SpecDecoder(args.model, args.draft, args.dtype)
+    dec = SpecDecoder(args.model, args.draft, args.dtype, linear=args.linear)
     s = _sampling(args)
     out = dec.generate(args.prompt, args.method, args.max_new_tokens, chat=not args.no_chat, temperature=s.temperature,
                        top_k=s.top_k, top_p=s.top_p, seed=s.seed, **_method_options(args, args.method))
@@ -69,13 +72,13 @@ def cmd_bench(args) -> int:
     from specdec.api import SpecDecoder
     from specdec.bench import bench_config, format_table, read_prompts, run_bench
 
-    dec = SpecDecoder(args.model, args.draft, args.dtype)
+    dec = SpecDecoder(args.model, args.draft, args.dtype, linear=args.linear)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     prompts = read_prompts(args.prompts, dec, args.limit, args.per_category)
     s = _sampling(args)
     options = {m: _method_options(args, m) for m in methods}
     result = run_bench(dec, methods, prompts, args.max_new_tokens, s, options,
-                       bench_config(args.model, args.draft, args.dtype, args.max_new_tokens, s))
+                       bench_config(args.model, args.draft, args.dtype, args.max_new_tokens, s, args.linear))
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -98,8 +98,13 @@ def tokenizer_path(path: Path) -> Path:
     return resolve(target) if target else path
 
 
-def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str = "cpu"):
-    """Load ``(model, tokenizer)`` for a causal LM; ``dtype`` is ``fp32``, ``bf16`` or ``fp16``."""
+def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str = "cpu", linear: str = "torch"):
+    """Load ``(model, tokenizer)`` for a causal LM; ``dtype`` is ``fp32``, ``bf16`` or ``fp16``.
+
+    linear: ``torch`` (as loaded), ``skinny`` or ``auto`` (see :mod:`specdec.linear`).
+    """
+    from specdec.linear import apply_linear_kernel
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(dtype, str):
@@ -115,5 +120,6 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str
     if model.config.is_encoder_decoder:
         raise ValueError(f"unsupported model at {path}: specdec needs a decoder-only causal LM")
     model.to(device).eval()
+    apply_linear_kernel(model, linear, device)
     return model, tok
 

@@ -11,6 +11,7 @@ Operators:
 - :func:`topk_entropy`: top-k probabilities and entropy of a softmax, one pass over V.
 - :func:`kv_compact`: in-place KV-cache compaction of accepted tokens, all layers in one call.
 - :func:`tree_verify_greedy` / :func:`tree_verify_sampling`: acceptance over a draft tree.
+- :func:`skinny_linear`: ``x . W^T + b`` for a few rows (verification's T tokens), batch-invariant.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ __all__ = [
     "kv_compact",
     "tree_verify_greedy",
     "tree_verify_sampling",
+    "skinny_linear",
     "pack_mask",
     "unpack_mask",
     "tree_depth",
@@ -134,6 +136,36 @@ def topk_entropy(
     if route == "triton":
         return triton_kernels("topk_entropy").topk_entropy(logits, k, float(temperature))
     return reference.topk_entropy(logits, k, temperature)
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str | None = None
+) -> torch.Tensor:
+    """``x . weight^T + bias`` for a few rows of ``x``, each weight row read once per call.
+
+    Every output element is accumulated in fp32 in an order that does not depend on the number of
+    rows, then rounded once to the dtype: row ``m`` of an ``M``-row call equals, bit for bit, the same
+    row computed alone. That makes verifying ``T`` drafted tokens agree exactly with one-token
+    decoding through the same layer, and on CPUs without bf16 matrix instructions it costs about
+    one row's weight traffic instead of ``M`` (see ``csrc/skinny_linear.cpp``).
+
+    Args:
+        x: ``[..., K]`` fp32/bf16/fp16; weight: ``[N, K]``, same dtype; bias: ``[N]`` same dtype, or None.
+    Returns:
+        ``[..., N]`` in x's dtype.
+    """
+    _check(weight.dim() == 2, f"weight must be [N, K], got shape {tuple(weight.shape)}")
+    _check(x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+           f"x must be [..., K = {weight.shape[1]}], got shape {tuple(x.shape)}")
+    _check(x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype),
+           f"x, weight and bias must share one dtype, got {x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}")
+    _check(x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"skinny_linear supports fp32/bf16/fp16, got {x.dtype}")
+    _check(bias is None or tuple(bias.shape) == (weight.shape[0],), f"bias must be [N = {weight.shape[0]}]")
+    route = choose("skinny_linear", x.device, backend, ("cpu",))
+    if route == "native":
+        y = native_ops().skinny_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return reference.skinny_linear(x, weight, bias)
 
 
 def kv_compact(

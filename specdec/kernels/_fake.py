@@ -71,3 +71,9 @@ def _tree_verify_greedy_fake(
         tokens.new_empty((b,), dtype=torch.int32),
         tokens.new_empty((b,), dtype=torch.int64),
     )
+
+
+@torch.library.register_fake("specdec::skinny_linear")
+def _skinny_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``[M, N]`` in x's dtype."""
+    return x.new_empty((x.shape[0], weight.shape[0]))

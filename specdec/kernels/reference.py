@@ -184,6 +184,12 @@ def topk_entropy(
     return top_logp.exp(), ids, entropy, lse
 
 
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] . weight [N, K]^T + bias [N]`` computed in fp32, rounded once to x's dtype: ``[..., N]``."""
+    y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
 # ----------------------------------------------------------------------------------------
 # In-place KV-cache compaction
 # ----------------------------------------------------------------------------------------

@@ -1,0 +1,234 @@
+// CPU kernel of specdec::skinny_linear: y = x . W^T + b for a few rows of x (speculative
+// verification: T drafted tokens, T ~ 1-16), the weight streamed from memory once per call.
+//
+// Why not at::linear: on CPUs without AVX512-BF16/AMX, torch's bf16 GEMM for M > 1 re-reads and
+// re-converts the weight once per row (a 16-row bf16 product costs 16 one-row products), and its
+// fp32 GEMM takes a slow path for M = 2-3. Verification of a draft tree then costs about T target
+// steps and speculation cannot gain. Here each weight row is loaded (and widened to fp32) once and
+// dotted with every row of x while it sits in L1.
+//
+// Batch invariance: every output element is one 8-lane fp32 accumulator over K (in steps of 8),
+// summed lane by lane in a fixed order, then the K % 8 tail, then the bias, then one rounding
+// to the output dtype. That order does not depend on M or on which rows share a call, so row m
+// of a T-row verification equals, bit for bit, the same row computed alone (one-token decoding).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "simd.h"
+
+namespace specdec {
+namespace {
+
+using simd::kLanes;
+
+constexpr int kUnit = 8;  // weight rows per parallel work unit (a multiple of every blocking's row count)
+
+// 8 fp32 lanes: one ymm register. simd::vf (16 lanes) is two ymm on AVX2, and GCC keeps blocks of
+// such accumulators on the stack, which chains every FMA through memory.
+constexpr int kW = 8;
+typedef float v8 __attribute__((vector_size(4 * kW)));
+typedef int32_t v8i __attribute__((vector_size(4 * kW)));
+typedef uint16_t v8h __attribute__((vector_size(2 * kW)));
+
+SPECDEC_INLINE v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename w_t>
+SPECDEC_INLINE v8 load_w(const w_t* p) {
+  if constexpr (std::is_same_v<w_t, float>) {
+    return load8(p);
+  } else if constexpr (std::is_same_v<w_t, at::BFloat16>) {
+    v8h h;
+    std::memcpy(&h, p, sizeof(h));
+    return (v8)(__builtin_convertvector(h, v8i) << 16);
+  } else {
+#if SPECDEC_X86_CLONES && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+    typedef _Float16 v8f16 __attribute__((vector_size(2 * kW)));
+    v8f16 h;
+    std::memcpy(&h, p, sizeof(h));
+    return __builtin_convertvector(h, v8);
+#else
+    v8 r;
+    for (int j = 0; j < kW; ++j) r[j] = static_cast<float>(p[j]);
+    return r;
+#endif
+  }
+}
+
+// Lanes summed as a tree in a fixed order: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
+SPECDEC_INLINE float hsum8(v8 v) {
+  typedef float v4 __attribute__((vector_size(16)));
+  typedef float v2 __attribute__((vector_size(8)));
+  const v4 q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const v2 d = __builtin_shufflevector(q, q, 0, 1) + __builtin_shufflevector(q, q, 2, 3);
+  return d[0] + d[1];
+}
+
+struct Args {
+  const float* x;    // [M, K] fp32 (x widened once per call)
+  const void* w;     // [N, K] weight dtype
+  const float* b;    // [N] fp32 or null
+  void* y;           // [M, N] output dtype
+  int64_t M, N, K;
+};
+
+// y[m0:m0+NM, n0:n0+NN]: NN weight rows against NM rows of x (NN * NM accumulators in registers).
+template <typename w_t, int NN, int NM>
+SPECDEC_INLINE void micro(const Args& a, int64_t n0, int64_t m0) {
+  const int64_t K = a.K, kv = K / kW * kW;
+  const w_t* w[NN];
+  const float* x[NM];
+  for (int i = 0; i < NN; ++i) w[i] = static_cast<const w_t*>(a.w) + (n0 + i) * K;
+  for (int j = 0; j < NM; ++j) x[j] = a.x + (m0 + j) * K;
+  v8 acc[NN][NM] = {};
+  // The NN rows are one contiguous span; while it is consumed, the next block's span is prefetched
+  // at the same pace (rows of ~1 KB are too short for the hardware stream prefetcher to ramp up).
+  constexpr int64_t kStepBytes = NN * kW * static_cast<int64_t>(sizeof(w_t));
+  const char* next = reinterpret_cast<const char*>(w[0] + NN * K);
+  for (int64_t k = 0; k < kv; k += kW) {
+    for (int64_t p = 0; p < kStepBytes; p += 64) __builtin_prefetch(next + k / kW * kStepBytes + p);
+    v8 wv[NN];
+#pragma GCC unroll 8
+    for (int i = 0; i < NN; ++i) wv[i] = load_w(w[i] + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < NM; ++j) {
+      const v8 xv = load8(x[j] + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < NN; ++i) acc[i][j] += wv[i] * xv;
+    }
+  }
+  for (int i = 0; i < NN; ++i) {
+    for (int j = 0; j < NM; ++j) {
+      float s = hsum8(acc[i][j]);
+      for (int64_t k = kv; k < K; ++k) s += x[j][k] * static_cast<float>(w[i][k]);
+      if (a.b != nullptr) s += a.b[n0 + i];
+      static_cast<w_t*>(a.y)[(m0 + j) * a.N + n0 + i] = static_cast<w_t>(s);
+    }
+  }
+}
+
+// Weight rows [n0, n0 + NN) against all M rows of x, MB rows at a time.
+template <typename w_t, int NN, int MB>
+SPECDEC_INLINE void block(const Args& a, int64_t n0) {
+  int64_t m = 0;
+  for (; m + MB <= a.M; m += MB) micro<w_t, NN, MB>(a, n0, m);
+  const int64_t r = a.M - m;
+  if constexpr (MB > 3) if (r == 3) return micro<w_t, NN, 3>(a, n0, m);
+  if constexpr (MB > 2) if (r == 2) return micro<w_t, NN, 2>(a, n0, m);
+  if constexpr (MB > 1) if (r == 1) return micro<w_t, NN, 1>(a, n0, m);
+}
+
+template <typename w_t, int NN, int MB>
+SPECDEC_INLINE void rows_blocked(const Args& a, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + NN <= n_end; n += NN) block<w_t, NN, MB>(a, n);
+  for (; n < n_end; ++n) block<w_t, 1, MB>(a, n);
+}
+
+// Weight rows [n_begin, n_end) against all M rows of x. The register blocking follows M: at one or
+// two rows the product is a pure weight stream, and more rows streamed side by side keep more
+// loads in flight; from four rows on, each widened weight vector is reused across four rows of x.
+// Every blocking computes each output element the same way (batch invariance holds across them).
+template <typename w_t>
+SPECDEC_INLINE void rows_impl(const Args& a, int64_t n_begin, int64_t n_end) {
+  if (a.M == 1)
+    rows_blocked<w_t, 8, 1>(a, n_begin, n_end);
+  else if (a.M <= 3)
+    rows_blocked<w_t, 4, 2>(a, n_begin, n_end);
+  else
+    rows_blocked<w_t, 2, 4>(a, n_begin, n_end);
+}
+
+template <typename w_t>
+SPECDEC_TARGET_AVX512 void rows_avx512(const Args& a, int64_t begin, int64_t end) {
+  rows_impl<w_t>(a, begin, end);
+}
+template <typename w_t>
+SPECDEC_TARGET_AVX2 void rows_avx2(const Args& a, int64_t begin, int64_t end) {
+  rows_impl<w_t>(a, begin, end);
+}
+template <typename w_t>
+void rows_base(const Args& a, int64_t begin, int64_t end) {
+  rows_impl<w_t>(a, begin, end);
+}
+
+at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear: tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2, "skinny_linear: x must be [M, K], got shape ", x.sizes());
+  TORCH_CHECK(weight.dim() == 2, "skinny_linear: weight must be [N, K], got shape ", weight.sizes());
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "skinny_linear: weight must be fp32, bf16 or fp16, got ", dtype);
+  TORCH_CHECK(x.scalar_type() == dtype, "skinny_linear: x dtype ", x.scalar_type(), " differs from weight dtype ",
+              dtype);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "skinny_linear: x has K = ", K, " columns but weight is ", weight.sizes());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "skinny_linear: bias must be [N = ", N, "], got ",
+                bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == dtype, "skinny_linear: bias dtype ", bias->scalar_type(),
+                " differs from weight dtype ", dtype);
+    b = bias->to(at::kFloat).contiguous();
+  }
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  // x as fp32 rows: used in place when it already is; otherwise widened into a per-thread buffer
+  // (an at::Tensor here costs more than the whole product at one row).
+  const auto xc = x.contiguous();
+  const float* xf = nullptr;
+  thread_local std::vector<float> widened;
+  if (dtype == at::kFloat) {
+    xf = xc.const_data_ptr<float>();
+  } else {
+    widened.resize(static_cast<size_t>(M * K));
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "skinny_linear_widen", [&] {
+      const auto* src = xc.const_data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
+    });
+    xf = widened.data();
+  }
+  const auto w = weight.contiguous();
+  Args a{xf, w.const_data_ptr(), b.defined() ? b.const_data_ptr<float>() : nullptr, y.mutable_data_ptr(), M, N, K};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "skinny_linear", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "skinny_linear: fp64 is not supported");
+    } else {
+      using Fn = void (*)(const Args&, int64_t, int64_t);
+      Fn fn = rows_base<scalar_t>;
+      switch (simd::best_isa()) {
+        case simd::Isa::kAvx512: fn = rows_avx512<scalar_t>; break;
+        case simd::Isa::kAvx2: fn = rows_avx2<scalar_t>; break;
+        default: break;
+      }
+      // Tasks of at least ~64K weight elements (in whole micro-kernel blocks): below that, waking
+      // the pool costs more than the work.
+      const int64_t blocks = (N + kUnit - 1) / kUnit;
+      const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K * kUnit, 1));
+      at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+        fn(a, begin * kUnit, std::min(end * kUnit, N));
+      });
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear_cpu);
+}
+
+}  // namespace specdec

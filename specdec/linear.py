@@ -1,0 +1,92 @@
+"""Linear layers for CPU targets that verify drafts: :class:`SkinnyLinear` and :func:`use_skinny_linear`.
+
+A speculative step runs the target over T drafted tokens (T ~ 2-32). On CPUs without bf16 matrix
+instructions torch's bf16 GEMM for more than one row re-reads the weights once per row, so the step
+costs about T one-token steps, and its fp32 GEMM takes a slow path for 2-3 rows; speculation then
+cannot gain. :func:`specdec.kernels.skinny_linear` streams the weights once for all rows and is
+batch-invariant (a row's result does not depend on which other rows share the call), so verifying T
+tokens agrees bit for bit with one-token decoding through every linear layer.
+
+The swap replaces modules the way transformers' quantizers do (same parameters, same state dict);
+no model code is changed. Calls with more rows than ``max_rows`` (prefill), with gradients, or off
+the CPU go to ``nn.Linear.forward``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec.kernels import has_native, native_ops
+
+LINEAR_KERNELS = ("auto", "skinny", "torch")
+
+
+def _op():
+    """``torch.ops.specdec.skinny_linear``; raises where the compiled extension is missing."""
+    ops = native_ops()
+    if ops is None or not hasattr(ops, "skinny_linear"):
+        raise RuntimeError("SkinnyLinear needs the compiled extension specdec._C (pip install --no-build-isolation -e .)")
+    return ops.skinny_linear
+
+
+def default_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which the skinny kernel beats torch's GEMM on CPU (measured on AVX2: fp32 GEMM
+    catches up at about 16 rows; bf16/fp16 GEMM without native instructions never does in this range)."""
+    return 16 if dtype == torch.float32 else 64
+
+
+class SkinnyLinear(nn.Linear):
+    """``nn.Linear`` whose CPU products over at most ``max_rows`` rows use :func:`specdec.kernels.skinny_linear`."""
+
+    max_rows: int = 16
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, max_rows: int) -> "SkinnyLinear":
+        """A SkinnyLinear sharing ``linear``'s weight and bias Parameters (ties are kept)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.max_rows = max_rows
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[..., in_features]`` -> ``[..., out_features]``."""
+        # Called ~200 times per target step: the checks are the cheap ones, and the operator is called
+        # directly (skinny_linear's argument checks cost more than the kernel at one row).
+        k = self.in_features
+        if (x.is_cpu and 0 < x.numel() <= self.max_rows * k and x.dtype == self.weight.dtype and x.shape[-1] == k
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            shape = x.shape[:-1] + (self.out_features,)
+            return _op().default(x.reshape(-1, k), self.weight, self.bias).view(shape)
+        return super().forward(x)
+
+
+def use_skinny_linear(model: nn.Module, max_rows: int | None = None) -> int:
+    """Replace every ``nn.Linear`` of ``model`` in place by a :class:`SkinnyLinear` sharing its parameters.
+
+    max_rows: largest product sent to the kernel (default :func:`default_max_rows` of the weights'
+    dtype). Returns the number of layers replaced.
+    """
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                rows = max_rows if max_rows is not None else default_max_rows(child.weight.dtype)
+                setattr(parent, name, SkinnyLinear.from_linear(child, rows))
+                count += 1
+    return count
+
+
+def apply_linear_kernel(model: nn.Module, kernel: str, device: str) -> bool:
+    """Apply the ``--linear`` choice: ``skinny``, ``torch`` (leave as is) or ``auto`` (skinny on CPU when
+    the compiled extension is built). Returns whether the skinny kernel was installed."""
+    if kernel not in LINEAR_KERNELS:
+        raise ValueError(f"unknown linear kernel {kernel!r}: use one of {', '.join(LINEAR_KERNELS)}")
+    if kernel == "torch":
+        return False
+    if kernel == "auto" and not (torch.device(device).type == "cpu" and has_native("skinny_linear")):
+        return False
+    _op()  # fail here, not in the first forward, without the extension
+    use_skinny_linear(model)
+    return True

@@ -1,0 +1,125 @@
+"""specdec.kernels.skinny_linear and the SkinnyLinear swap: accuracy, batch invariance, losslessness."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from specdec.api import SpecDecoder, hf_generate
+from specdec.kernels import has_native, reference, skinny_linear
+from specdec.linear import SkinnyLinear, apply_linear_kernel, use_skinny_linear
+from specdec.verify import SamplingConfig
+from tests.conftest import tiny_model
+
+native = pytest.mark.skipif(not has_native("skinny_linear"), reason="specdec._C is not built")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (3, 77, 5), (5, 8, 1), (9, 200, 33), (16, 576, 130), (40, 31, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(dtype, m, k, n, bias):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    y = skinny_linear(x, w, b, backend="cpp")
+    ref = reference.skinny_linear(x, w, b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    scale = ref.float().abs().max().clamp_min(1.0)
+    assert ((y.float() - ref.float()).abs().max() / scale) < TOL[dtype]
+
+
+@native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariant(dtype):
+    """Every row of an M-row call equals, bit for bit, the row computed alone or in any other batch."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(13, 203, generator=g).to(dtype)
+    w = torch.randn(67, 203, generator=g).to(dtype)
+    b = torch.randn(67, generator=g).to(dtype)
+    full = skinny_linear(x, w, b, backend="cpp")
+    for i in range(13):
+        assert torch.equal(skinny_linear(x[i:i + 1], w, b, backend="cpp")[0], full[i])
+    for lo, hi in [(0, 2), (3, 6), (5, 12), (2, 13)]:
+        assert torch.equal(skinny_linear(x[lo:hi], w, b, backend="cpp"), full[lo:hi])
+
+
+@native
+def test_leading_dims_and_threads():
+    x = torch.randn(2, 3, 48)
+    w = torch.randn(70, 48)
+    y = skinny_linear(x, w)
+    assert y.shape == (2, 3, 70)
+    torch.testing.assert_close(y, x @ w.T, atol=1e-4, rtol=1e-4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = skinny_linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, y)  # the split over weight rows does not change any sum
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpp", marks=native)])
+def test_bad_input(backend):
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="share one dtype"):
+        skinny_linear(torch.randn(2, 8, dtype=torch.bfloat16), w, backend=backend)
+    with pytest.raises(ValueError, match="must be"):
+        skinny_linear(torch.randn(2, 7), w, backend=backend)
+    with pytest.raises(ValueError, match="supports fp32/bf16/fp16"):
+        skinny_linear(torch.randn(2, 8, dtype=torch.float64), w.double(), backend=backend)
+    with pytest.raises(ValueError, match="bias"):
+        skinny_linear(torch.randn(2, 8), w, torch.randn(5), backend=backend)
+
+
+def test_swap_keeps_parameters_and_ties():
+    model = copy.deepcopy(tiny_model("llama"))
+    keys = list(model.state_dict())
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    assert use_skinny_linear(model) == linears
+    assert list(model.state_dict()) == keys
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with pytest.raises(ValueError, match="unknown linear kernel"):
+        apply_linear_kernel(model, "fast", "cpu")
+
+
+@native
+def test_module_routes_by_rows_and_grad():
+    lin = nn.Linear(24, 10)
+    sk = SkinnyLinear.from_linear(lin, max_rows=4)
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert torch.equal(sk(x), skinny_linear(x, lin.weight, lin.bias))  # 3 rows: the kernel
+        torch.testing.assert_close(sk(torch.randn(6, 24)).shape, torch.Size([6, 10]))  # 6 rows: nn.Linear
+    y = sk(x)  # weights require grad: nn.Linear, so backward works
+    y.sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.shape == (10, 24)
+
+
+@native
+@pytest.mark.parametrize("method,opts", [("pld", {}), ("ngrammys", {}), ("sd", {"draft_length": 4})])
+def test_lossless_with_skinny(arch, method, opts):
+    """Greedy decoding on a target whose linear layers run the skinny kernel equals transformers'
+    generate on that same model, and (decisive tiny models) on the unmodified model too."""
+    stock = tiny_model(arch)
+    target = copy.deepcopy(stock)
+    use_skinny_linear(target)
+    draft = copy.deepcopy(tiny_model(arch, seed=1))
+    use_skinny_linear(draft)
+    dec = SpecDecoder(target, draft=draft)
+    g = torch.Generator().manual_seed(3)
+    for plen in (1, 9, 30):
+        prompt = torch.randint(2, 96, (plen,), generator=g).tolist()
+        ref = hf_generate(target, prompt, 40, SamplingConfig())
+        out = dec.generate_ids([prompt], method, 40, SamplingConfig(), **opts)
+        assert out.tokens[0] == ref
+        assert hf_generate(stock, prompt, 40, SamplingConfig()) == ref
