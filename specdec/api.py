@@ -52,11 +52,13 @@ class SpecDecoder:
     """A target model (and optional draft) ready for speculative generation.
 
     ``model``/``draft``: a name (``smollm2``, ``gemma3-270m``), a local folder, or a loaded
-    ``PreTrainedModel`` (then pass ``tokenizer`` to work with text).
+    ``PreTrainedModel`` (then pass ``tokenizer`` to work with text). ``linear``: kernel of the linear
+    layers of models loaded by name (``auto``, ``skinny``, ``torch``; see :mod:`specdec.linear`); a
+    loaded model is used as given.
     """
 
     def __init__(self, model: str | PreTrainedModel = DEFAULT_MODEL, draft: str | PreTrainedModel | None = None,
-                 dtype: str = "fp32", tokenizer=None, device: str = "cpu", linear: str = "torch"):
+                 dtype: str = "fp32", tokenizer=None, device: str = "cpu", linear: str = "auto"):
         if isinstance(model, PreTrainedModel):
             self.model, self.tokenizer = model.eval(), tokenizer
         else:

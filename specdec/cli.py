@@ -14,9 +14,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model (same vocabulary), needed by sd and hf-assisted")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--linear", default="torch", choices=["torch", "skinny", "auto"],
-                   help="linear layers of target and draft: torch's (default), specdec's skinny kernel (streams the "
-                        "weights once for all verified tokens, batch-invariant), or auto (skinny on CPU)")
+    p.add_argument("--linear", default="auto", choices=["torch", "skinny", "auto"],
+                   help="linear layers of target and draft: specdec's skinny kernel for products of a few rows "
+                        "(streams the weights once for all verified tokens, batch-invariant), torch's, or auto "
+                        "(default: skinny on CPU when specdec._C is built)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
