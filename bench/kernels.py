@@ -208,6 +208,19 @@ def tree_verify_case(accept: str) -> Case:
                 "torch reference (argmax at every node + pointer jumping)")
 
 
+def skinny_linear_case(m: int, dtype: torch.dtype) -> Case:
+    """M rows through 24 weights of SmolLM2's MLP shape (85 MB in fp32, 42 MB in bf16: more than the
+    L3 cache, so the weights stream from memory as in a model step)."""
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(1536, 576, generator=g).to(dtype) for _ in range(24)]
+    x = torch.randn(m, 576, generator=g).to(dtype)
+    ours = lambda: [K.skinny_linear(x, w) for w in ws]  # noqa: E731
+    base = lambda: [torch.nn.functional.linear(x, w) for w in ws]  # noqa: E731
+    torch.testing.assert_close(ours()[0].float(), base()[0].float(), atol=0.3, rtol=2e-2)
+    name = str(dtype).replace("torch.", "")
+    return Case("skinny_linear", f"24 x [1536, 576] M={m} {name}", ours, base, "torch.nn.functional.linear")
+
+
 # (id, builder): building a case makes its inputs and checks ours against the baseline once.
 CASES: list[tuple[str, Callable[[], Case]]] = [
     ("ngram_match", ngram_case),
@@ -218,6 +231,8 @@ CASES: list[tuple[str, Callable[[], Case]]] = [
       for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for t in (16, 64, 128)),
     ("tree_verify_greedy-typical", lambda: tree_verify_case("typical")),
     ("tree_verify_greedy-all", lambda: tree_verify_case("all")),
+    *((f"skinny_linear-M{m}-{name}", functools.partial(skinny_linear_case, m, dt))
+      for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for m in (1, 2, 4, 8, 16)),
 ]
 
 
