@@ -89,13 +89,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--draft-length", type=int, default=5)
+    ap.add_argument("--linear", default="auto", choices=["auto", "skinny", "torch"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dec = SpecDecoder(args.model, args.draft, args.dtype)
+    dec = SpecDecoder(args.model, args.draft, args.dtype, linear=args.linear)
     prompts = read_prompts(args.prompts, dec, args.limit, args.per_category)
     out = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "threads": torch.get_num_threads()}
     out["cost"] = cost_ratio(dec, prompts[0].ids)
