@@ -101,26 +101,39 @@ SPECDEC_INLINE void store_bf16(uint16_t* p, vf v) {
   for (int j = 0; j < kLanes; ++j) p[j] = static_cast<uint16_t>(rounded[j]);
 }
 
-typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
+// Vector types of N fp32/int32/16-bit lanes: the kernels use kLanes, or 8 (one ymm) where a register
+// block of 16-lane vectors would not fit in AVX2's 16 registers.
+template <int N>
+struct Lanes {
+  typedef float f __attribute__((vector_size(4 * N)));
+  typedef int32_t i __attribute__((vector_size(4 * N)));
+  typedef uint16_t h __attribute__((vector_size(2 * N)));
+};
 
-SPECDEC_INLINE vf load_bf16(const uint16_t* p) {
-  vh h;
+// N bf16 values (raw bits) -> fp32.
+template <int N>
+SPECDEC_INLINE typename Lanes<N>::f load_bf16_n(const uint16_t* p) {
+  typename Lanes<N>::h h;
   std::memcpy(&h, p, sizeof(h));
-  return (vf)(__builtin_convertvector(h, vi) << 16);
+  return (typename Lanes<N>::f)(__builtin_convertvector(h, typename Lanes<N>::i) << 16);
 }
 
-// IEEE fp16 bits -> fp32 (one instruction under F16C; a libgcc call per lane on the baseline).
-SPECDEC_INLINE vf load_f16(const uint16_t* p) {
+// N IEEE fp16 values (raw bits) -> fp32 (one instruction under F16C; a libgcc call per lane on the baseline).
+template <int N>
+SPECDEC_INLINE typename Lanes<N>::f load_f16_n(const uint16_t* p) {
 #if SPECDEC_X86_CLONES && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-  typedef _Float16 vhf __attribute__((vector_size(2 * kLanes)));
+  typedef _Float16 vhf __attribute__((vector_size(2 * N)));
   vhf h;
   std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, vf);
+  return __builtin_convertvector(h, typename Lanes<N>::f);
 #else
-  vf r;
-  for (int j = 0; j < kLanes; ++j) r[j] = c10::detail::fp16_ieee_to_fp32_value(p[j]);
+  typename Lanes<N>::f r;
+  for (int j = 0; j < N; ++j) r[j] = c10::detail::fp16_ieee_to_fp32_value(p[j]);
   return r;
 #endif
 }
+
+SPECDEC_INLINE vf load_bf16(const uint16_t* p) { return load_bf16_n<kLanes>(p); }
+SPECDEC_INLINE vf load_f16(const uint16_t* p) { return load_f16_n<kLanes>(p); }
 
 }  // namespace specdec::simd

@@ -35,9 +35,7 @@ constexpr int kUnit = 8;  // weight rows per parallel work unit (a multiple of e
 // 8 fp32 lanes: one ymm register. simd::vf (16 lanes) is two ymm on AVX2, and GCC keeps blocks of
 // such accumulators on the stack, which chains every FMA through memory.
 constexpr int kW = 8;
-typedef float v8 __attribute__((vector_size(4 * kW)));
-typedef int32_t v8i __attribute__((vector_size(4 * kW)));
-typedef uint16_t v8h __attribute__((vector_size(2 * kW)));
+typedef simd::Lanes<kW>::f v8;
 
 SPECDEC_INLINE v8 load8(const float* p) {
   v8 v;
@@ -47,24 +45,9 @@ SPECDEC_INLINE v8 load8(const float* p) {
 
 template <typename w_t>
 SPECDEC_INLINE v8 load_w(const w_t* p) {
-  if constexpr (std::is_same_v<w_t, float>) {
-    return load8(p);
-  } else if constexpr (std::is_same_v<w_t, at::BFloat16>) {
-    v8h h;
-    std::memcpy(&h, p, sizeof(h));
-    return (v8)(__builtin_convertvector(h, v8i) << 16);
-  } else {
-#if SPECDEC_X86_CLONES && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-    typedef _Float16 v8f16 __attribute__((vector_size(2 * kW)));
-    v8f16 h;
-    std::memcpy(&h, p, sizeof(h));
-    return __builtin_convertvector(h, v8);
-#else
-    v8 r;
-    for (int j = 0; j < kW; ++j) r[j] = static_cast<float>(p[j]);
-    return r;
-#endif
-  }
+  if constexpr (std::is_same_v<w_t, float>) return load8(p);
+  if constexpr (std::is_same_v<w_t, at::BFloat16>) return simd::load_bf16_n<kW>(reinterpret_cast<const uint16_t*>(p));
+  if constexpr (std::is_same_v<w_t, at::Half>) return simd::load_f16_n<kW>(reinterpret_cast<const uint16_t*>(p));
 }
 
 // Lanes summed as a tree in a fixed order: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two.
