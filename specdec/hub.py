@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import specdec.distill.model  # noqa: F401  (registers the distilled draft class with transformers' Auto classes)
+from specdec.linear import apply_linear_kernel
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -103,8 +104,6 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str
 
     linear: ``torch`` (as loaded), ``skinny`` or ``auto`` (see :mod:`specdec.linear`).
     """
-    from specdec.linear import apply_linear_kernel
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(dtype, str):

@@ -13,6 +13,8 @@ the CPU go to ``nn.Linear.forward``.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -21,12 +23,13 @@ from specdec.kernels import has_native, native_ops
 LINEAR_KERNELS = ("auto", "skinny", "torch")
 
 
+@functools.lru_cache(maxsize=None)
 def _op():
-    """``torch.ops.specdec.skinny_linear``; raises where the compiled extension is missing."""
+    """``torch.ops.specdec.skinny_linear.default``; raises where the compiled extension is missing."""
     ops = native_ops()
     if ops is None or not hasattr(ops, "skinny_linear"):
         raise RuntimeError("SkinnyLinear needs the compiled extension specdec._C (pip install --no-build-isolation -e .)")
-    return ops.skinny_linear
+    return ops.skinny_linear.default
 
 
 def default_max_rows(dtype: torch.dtype) -> int:
@@ -59,7 +62,7 @@ class SkinnyLinear(nn.Linear):
         if (x.is_cpu and 0 < x.numel() <= self.max_rows * k and x.dtype == self.weight.dtype and x.shape[-1] == k
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             shape = x.shape[:-1] + (self.out_features,)
-            return _op().default(x.reshape(-1, k), self.weight, self.bias).view(shape)
+            return _op()(x.reshape(-1, k), self.weight, self.bias).view(shape)
         return super().forward(x)
 
 
