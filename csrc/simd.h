@@ -50,6 +50,16 @@ inline Isa best_isa() {
 #endif
 }
 
+// The clone of a kernel for the widest ISA this CPU supports (the three wrappers of one body).
+template <typename Fn>
+inline Fn pick(Fn avx512, Fn avx2, Fn base) {
+  switch (best_isa()) {
+    case Isa::kAvx512: return avx512;
+    case Isa::kAvx2: return avx2;
+    default: return base;
+  }
+}
+
 SPECDEC_INLINE vf splat(float v) { return vf{} + v; }
 SPECDEC_INLINE vf load(const float* p) {
   vf v;

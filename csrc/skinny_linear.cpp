@@ -190,12 +190,7 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
       TORCH_CHECK(false, "skinny_linear: fp64 is not supported");
     } else {
       using Fn = void (*)(const Args&, int64_t, int64_t);
-      Fn fn = rows_base<scalar_t>;
-      switch (simd::best_isa()) {
-        case simd::Isa::kAvx512: fn = rows_avx512<scalar_t>; break;
-        case simd::Isa::kAvx2: fn = rows_avx2<scalar_t>; break;
-        default: break;
-      }
+      const Fn fn = simd::pick<Fn>(rows_avx512<scalar_t>, rows_avx2<scalar_t>, rows_base<scalar_t>);
       // Tasks of at least ~64K weight elements (in whole micro-kernel blocks): below that, waking
       // the pool costs more than the work.
       const int64_t blocks = (N + kUnit - 1) / kUnit;

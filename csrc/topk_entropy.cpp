@@ -185,12 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_entropy_cpu(cons
          entropy.mutable_data_ptr<float>(), lse.mutable_data_ptr<float>(), ids.mutable_data_ptr<int64_t>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "topk_entropy", [&] {
     using Fn = void (*)(const Rows&, int64_t, int64_t);
-    Fn fn = rows_base<scalar_t>;
-    switch (simd::best_isa()) {
-      case simd::Isa::kAvx512: fn = rows_avx512<scalar_t>; break;
-      case simd::Isa::kAvx2: fn = rows_avx2<scalar_t>; break;
-      default: break;
-    }
+    const Fn fn = simd::pick<Fn>(rows_avx512<scalar_t>, rows_avx2<scalar_t>, rows_base<scalar_t>);
     // About 16K logits per task: below that, waking the pool costs more than the row.
     const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(V, 1));
     at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { fn(r, begin, end); });

@@ -333,12 +333,8 @@ void attend_base(const Args& a, int64_t item) {
 template <typename scalar_t, typename gemm_t>
 void run(const Args& a) {
   using Fn = void (*)(const Args&, int64_t);
-  Fn fn = attend_base<scalar_t, gemm_t>;
-  switch (simd::best_isa()) {
-    case simd::Isa::kAvx512: fn = attend_avx512<scalar_t, gemm_t>; break;
-    case simd::Isa::kAvx2: fn = attend_avx2<scalar_t, gemm_t>; break;
-    default: break;
-  }
+  const Fn fn =
+      simd::pick<Fn>(attend_avx512<scalar_t, gemm_t>, attend_avx2<scalar_t, gemm_t>, attend_base<scalar_t, gemm_t>);
   at::parallel_for(0, a.B * a.Hkv * a.blocks, 1, [&](int64_t begin, int64_t end) {
     // Each task's GEMMs are small: keep MKL single-threaded in them (an MKL thread team per tiny
     // GEMM, spinning against the pool's threads on a busy machine, made calls up to 100x slower).

@@ -176,12 +176,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_verify_greedy_cpu(const at::
   auto launch = [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     using Fn = void (*)(const Row&, int64_t, int64_t);
-    Fn fn = verify_base<scalar_t>;
-    switch (simd::best_isa()) {
-      case simd::Isa::kAvx512: fn = verify_avx512<scalar_t>; break;
-      case simd::Isa::kAvx2: fn = verify_avx2<scalar_t>; break;
-      default: break;
-    }
+    const Fn fn = simd::pick<Fn>(verify_avx512<scalar_t>, verify_avx2<scalar_t>, verify_base<scalar_t>);
     const auto* base = lg.const_data_ptr<scalar_t>();
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
