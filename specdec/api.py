@@ -8,7 +8,9 @@ from transformers import PreTrainedModel
 
 from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate
 from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDrafter
+from specdec.drafters.feature_draft import FeatureDraftDrafter
 from specdec.drafters.ngrammys import NodeAcceptance
+from specdec.distill.eagle import is_feature_draft
 from specdec.hub import DEFAULT_MODEL, load_model
 from specdec.model import ModelRunner
 from specdec.ngram_tables import NGramTables, load_tables
@@ -153,7 +155,8 @@ class SpecDecoder:
             k = options.pop("draft_length", 5)
             if options:
                 raise ValueError(f"unknown options for 'sd': {sorted(options)}")
-            drafter = DraftModelDrafter(self.draft_runner, sampling)
+            cls = FeatureDraftDrafter if is_feature_draft(self.draft) else DraftModelDrafter
+            drafter = cls(self.draft_runner, sampling)
         policy = HeuristicLength(k, max_k=k if method == "pld" else 64) if schedule == "heuristic" else StaticLength(k)
         return speculative_generate(self.runner, drafter, prompts, max_new_tokens, sampling, self.eos, policy)
 

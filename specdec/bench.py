@@ -18,6 +18,7 @@ import transformers
 from tqdm import tqdm
 
 from specdec.api import METHODS, NEEDS_DRAFT, SpecDecoder, hf_generate
+from specdec.distill.eagle import is_feature_draft
 from specdec.verify import SamplingConfig
 
 HF_METHODS = ("hf", "hf-pld", "hf-assisted")
@@ -104,6 +105,9 @@ def run_bench(dec: SpecDecoder, methods: list[str], prompts: list[Prompt], max_n
             raise ValueError(f"{m!r} takes no options")
         if (m in NEEDS_DRAFT or m == "hf-assisted") and dec.draft is None:
             raise ValueError(f"method {m!r} needs --draft")
+        if m == "hf-assisted" and is_feature_draft(dec.draft):
+            raise ValueError("hf-assisted cannot drive a feature-conditioned (EAGLE) draft: transformers' assisted "
+                             "generation does not hand it the target's hidden states; use sd")
     methods = ["hf"] + [m for m in methods if m != "hf"]
     target_calls, draft_calls = _CallCounter(dec.model), _CallCounter(dec.draft)
 

@@ -105,7 +105,11 @@ def _distill_args(d: argparse.ArgumentParser) -> None:
     a("--top-k", type=int, default=16, help="target log-probs kept per position")
     a("--max-prompt", type=int, default=1024, help="prompt tokens kept for generation (the last N)")
     a("--gen-minutes", type=float, default=None, help="stop generating after this long (train on what exists)")
-    a("--layers", default="0,29", help="target layers copied into the draft, in order")
+    a("--arch", default="layers", choices=["layers", "eagle"],
+      help="layers: a small LM from a few target layers, drafting from tokens alone; eagle: one layer that "
+           "also reads the target's last hidden state (needs specdec's sd, not hf-assisted)")
+    a("--layers", default=None, help="target layers copied into the draft, in order (default 0,29; eagle: 29)")
+    a("--unroll", type=int, default=1, help="eagle: training passes that read the draft's own states (1 or 2)")
     a("--draft-vocab", type=int, default=6144, help="draft vocabulary size (most frequent generated tokens)")
     a("--max-context", type=int, default=256, help="prompt tokens kept before the generation when training")
     a("--max-tokens", type=int, default=4096, help="padded tokens per training batch")

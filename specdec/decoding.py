@@ -112,8 +112,9 @@ def speculative_generate(
     out = _Outputs(b, max_new_tokens, eos_token_ids or set())
     rows = torch.arange(b, device=target.device)
 
+    need_hidden = drafter.needs_hidden
     ts = time.perf_counter()
-    logits, _ = target.prefill(state.seq[:, : max(state.seq_lens_host)], prompt_lens)
+    logits, prompt_hidden = target.prefill(state.seq[:, : max(state.seq_lens_host)], prompt_lens, need_hidden)
     stats.prefill_s = time.perf_counter() - ts
     stats.target_s += stats.prefill_s
     stats.target_calls += 1
@@ -126,6 +127,8 @@ def speculative_generate(
 
     td = time.perf_counter()
     drafter.begin(state)
+    if need_hidden:
+        drafter.add_hidden(prompt_hidden, prompt_lens)
     stats.draft_s += time.perf_counter() - td
     target_len = [n - 1 for n in state.seq_lens_host]
     while not all(out.done):
@@ -135,7 +138,7 @@ def speculative_generate(
         stats.draft_s += time.perf_counter() - td
 
         ts = time.perf_counter()
-        logits, _ = target.forward_tree(tree)
+        logits, hidden = target.forward_tree(tree, need_hidden)
         forward_s = time.perf_counter() - ts
         stats.target_s += forward_s
         stats.target_calls += 1
@@ -172,6 +175,8 @@ def speculative_generate(
             policy.update(drafted, n - 1)
             out.add(r, h[2: 2 + n])
         td = time.perf_counter()
+        if need_hidden:
+            drafter.add_hidden(hidden.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])), path_len)
         drafter.update(state, tree, path, lens, [h[1] for h in host])
         stats.draft_s += time.perf_counter() - td
     stats.draft_calls = drafter.draft_calls

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-import specdec.distill.model  # noqa: F401  (registers the distilled draft class with transformers' Auto classes)
+import specdec.distill.eagle  # noqa: F401  (registers the distilled draft classes with transformers' Auto classes)
 from specdec.linear import apply_linear_kernel
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

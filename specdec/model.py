@@ -217,7 +217,7 @@ class ModelRunner:
     def lengths(self) -> torch.Tensor:
         return self.cache.lengths
 
-    def _run(self, input_ids, positions, tree_mask, logits_to_keep=0, return_hidden=False):
+    def _run(self, input_ids, positions, tree_mask, logits_to_keep=0, return_hidden=False, extra_inputs=None):
         t = input_ids.shape[1]
         if self.cache.write_pos + t > self.cache.capacity:
             raise ValueError(f"{self.cache.write_pos + t} positions exceed the cache capacity {self.cache.capacity}")
@@ -232,6 +232,7 @@ class ModelRunner:
             logits_to_keep=logits_to_keep,
             output_hidden_states=return_hidden,
             specdec_meta=meta,
+            **(extra_inputs or {}),
         )
         hidden = out.hidden_states[-1] if return_hidden else None
         return out.logits, hidden
@@ -240,8 +241,9 @@ class ModelRunner:
     def prefill(self, input_ids: torch.Tensor, prompt_lens: torch.Tensor, return_hidden: bool = False):
         """Encode right-padded prompts. input_ids: ``[B,L]``; prompt_lens: ``[B]``.
 
-        Commits every prompt token's KV. Returns logits ``[B,V]`` at each row's last prompt token
-        (and that position's last hidden state ``[B,H]`` when asked).
+        Commits every prompt token's KV. Returns logits ``[B,V]`` at each row's last prompt token,
+        and when asked the last hidden state at every prompt position ``[B,L,H]`` (columns past a
+        row's prompt length are padding), which feature-conditioned drafters read.
         """
         b, l = input_ids.shape
         if b != self.batch_size:
@@ -252,30 +254,40 @@ class ModelRunner:
             logits, hidden = self._run(input_ids, positions, None, logits_to_keep=1, return_hidden=return_hidden)
             self.cache.lengths.copy_(prompt_lens)
             self.cache.write_pos = l
-            return logits[:, -1], (hidden[:, -1] if hidden is not None else None)
+            return logits[:, -1], hidden
         # Ragged rows: logits are wanted at a different column per row. Encode all but each row's
         # last token (logits of one column only), then the last tokens as one-node trees.
         head = max(lens) - 1
+        hidden = None
         if head > 0:
             positions = torch.arange(head, device=self.device).expand(b, head)
-            self._run(input_ids[:, :head], positions, None, logits_to_keep=1)
+            _, hidden = self._run(input_ids[:, :head], positions, None, logits_to_keep=1, return_hidden=return_hidden)
         self.cache.lengths.copy_(prompt_lens - 1)
         self.cache.write_pos = head
         rows = torch.arange(b, device=self.device)
         last_tokens = DraftTree.chain(input_ids[rows, prompt_lens - 1])
-        logits, hidden = self.forward_tree(last_tokens, return_hidden)
+        logits, last_hidden = self.forward_tree(last_tokens, return_hidden)
         self.commit(torch.zeros(b, 1, dtype=torch.int64, device=self.device), torch.ones_like(prompt_lens),
                     True, max(lens))
-        return logits[:, 0], (hidden[:, 0] if hidden is not None else None)
+        if return_hidden:
+            full = last_hidden.new_zeros(b, l, last_hidden.shape[-1])
+            if hidden is not None:
+                full[:, :head] = hidden
+            full[rows, prompt_lens - 1] = last_hidden[:, 0]
+            hidden = full
+        return logits[:, 0], hidden
 
     @torch.inference_mode()
-    def forward_tree(self, tree: DraftTree, return_hidden: bool = False):
-        """Run the target over a draft tree. Returns logits ``[B,T,V]`` (and hidden ``[B,T,H]``).
+    def forward_tree(self, tree: DraftTree, return_hidden: bool = False, extra_inputs: dict | None = None):
+        """Run the model over a draft tree. Returns logits ``[B,T,V]`` and the last hidden state
+        ``[B,T,H]`` (None unless ``return_hidden``).
 
         The tree's KV is written at ``write_pos``; call :meth:`commit` with the accepted path.
+        ``extra_inputs``: further per-node model inputs, e.g. ``{"target_hidden": [B,T,H]}`` for a
+        feature-conditioned draft.
         """
         positions = tree.positions(self.cache.lengths)
-        return self._run(tree.tokens, positions, tree.mask, return_hidden=return_hidden)
+        return self._run(tree.tokens, positions, tree.mask, return_hidden=return_hidden, extra_inputs=extra_inputs)
 
     @torch.inference_mode()
     def commit(self, path: torch.Tensor, path_len: torch.Tensor, is_chain: bool, new_write_pos: int) -> None:

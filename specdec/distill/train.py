@@ -118,8 +118,12 @@ def evaluate(draft, examples: list[Example], max_tokens: int) -> dict:
 
 def train(draft: SpecdecDraftForCausalLM, examples: list[Example], held_out: list[Example], ckpt: Path,
           steps: int, minutes: float | None, lr: float, max_tokens: int, seed: int, resume: bool,
-          autocast: bool = True, ckpt_minutes: float = 5.0, progress: bool = True, log=None) -> dict:
+          autocast: bool = True, ckpt_minutes: float = 5.0, progress: bool = True, log=None,
+          loss_fn=None, eval_fn=None) -> dict:
     """AdamW with warmup then cosine decay over ``steps`` (or the time budget, whichever ends first).
+
+    ``loss_fn(draft, batch, autocast) -> (loss, top-1 agreement)`` defaults to :func:`distill_loss`,
+    ``eval_fn(draft, held_out, max_tokens) -> dict`` to :func:`evaluate`.
 
     A checkpoint (weights, optimiser, position in the seeded batch order, elapsed time) is written to
     ``ckpt`` every ``ckpt_minutes`` and at the end; ``resume`` continues from it.
@@ -158,7 +162,7 @@ def train(draft: SpecdecDraftForCausalLM, examples: list[Example], held_out: lis
         scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for group in opt.param_groups:
             group["lr"] = lr * scale
-        loss, agree = distill_loss(draft, batches[pos], autocast)
+        loss, agree = (loss_fn or distill_loss)(draft, batches[pos], autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -181,8 +185,34 @@ def train(draft: SpecdecDraftForCausalLM, examples: list[Example], held_out: lis
     result = {"steps": step, "epochs": epoch + pos / max(len(batches), 1), "train_seconds": elapsed,
               "train_loss_ema": ema, "train_top1_ema": ema_agree}
     if held_out:
-        result["held_out"] = evaluate(draft, held_out, max_tokens)
+        result["held_out"] = (eval_fn or evaluate)(draft, held_out, max_tokens)
     return result
+
+
+def _eagle_setup(args, target32, layers, vocab, shards, held: set, work: Path):
+    """The feature-conditioned draft, its examples (the target's hidden states over every record,
+    computed once into the work folder), and its loss and evaluation."""
+    from specdec.distill.eagle import eagle_from_target
+    from specdec.distill.eagle_train import eagle_evaluate, eagle_loss, feature_shards, load_examples
+
+    target32.to(args.device)
+    feats = feature_shards(target32, shards, args.max_context, args.max_tokens)
+    draft = eagle_from_target(target32, layers, vocab, args.target)
+    teacher = target32.get_output_embeddings().weight[draft.draft_vocab].detach().float().to(args.device)
+    target32.cpu()
+    examples, held_out = [], []
+    for shard, feat in zip(shards, feats):
+        for e in load_examples([feat]):
+            if e.record_id not in held:
+                examples.append(e)
+            elif shard.name.startswith("greedy"):
+                held_out.append(e)
+
+    def loss_fn(d, batch, autocast):
+        with torch.autocast(teacher.device.type, dtype=torch.bfloat16, enabled=autocast):
+            return eagle_loss(d, batch, teacher, args.unroll)
+
+    return draft, examples, held_out, loss_fn, lambda d, h, m: eagle_evaluate(d, h, m)
 
 
 def run_distill(args) -> dict:
@@ -229,18 +259,23 @@ def run_distill(args) -> dict:
     cov = coverage(count_tokens((r["topk_idx"][:, 0] for r in held_recs), vt), vocab) if held_recs else None
     log({"stage": "vocab", "size": int(vocab.numel()), "train_coverage": coverage(counts, vocab), "held_out_coverage": cov})
 
-    layers = [int(i) for i in args.layers.split(",")]
+    layers = [int(i) for i in (args.layers or ("29" if args.arch == "eagle" else "0,29")).split(",")]
     target32 = dec.model.float().cpu()
-    draft = draft_from_target(target32, layers, vocab, args.target)
+    if args.arch == "eagle":
+        draft, examples, held_out, loss_fn, eval_fn = _eagle_setup(args, target32, layers, vocab, shards, held, work)
+    else:
+        draft = draft_from_target(target32, layers, vocab, args.target)
+        greedy = {id(r) for r in greedy_recs}
+        examples = [e for r in train_recs for e in make_examples([r], args.max_context, id(r) in greedy)]
+        held_out = make_examples(held_recs, args.max_context, True)
+        loss_fn, eval_fn = None, None
     del dec, target32
     draft.to(args.device)
-    greedy = {id(r) for r in greedy_recs}
-    examples = [e for r in train_recs for e in make_examples([r], args.max_context, id(r) in greedy)]
-    held_out = make_examples(held_recs, args.max_context, True)
     if held_out:
-        log({"stage": "init", **evaluate(draft, held_out, args.max_tokens)})
+        log({"stage": "init", **(eval_fn or evaluate)(draft, held_out, args.max_tokens)})
     result = train(draft, examples, held_out, work / "ckpt.pt", args.steps, args.train_minutes, args.lr,
-                   args.max_tokens, args.seed, args.resume, autocast=args.autocast, log=log)
+                   args.max_tokens, args.seed, args.resume, autocast=args.autocast, log=log, loss_fn=loss_fn,
+                   eval_fn=eval_fn)
     log({"stage": "train", **result})
 
     out = Path(args.out)
@@ -250,8 +285,8 @@ def run_distill(args) -> dict:
     from transformers import AutoTokenizer
     from specdec.hub import resolve
     AutoTokenizer.from_pretrained(resolve(args.target)).save_pretrained(out)
-    summary = {"target": args.target, "layers": layers, "draft_vocab": int(vocab.numel()),
-               "train_coverage": coverage(counts, vocab), "held_out_coverage": cov,
+    summary = {"target": args.target, "arch": args.arch, "layers": layers, "draft_vocab": int(vocab.numel()),
+               "train_coverage": coverage(counts, vocab), "held_out_coverage": cov, "held_out_ids": sorted(held),
                "prompts": len(prompts), "train_records": len(train_recs), "positions": positions,
                "generation_seconds": gen_s, "total_seconds": time.time() - t0, **result}
     (out / "distill_summary.json").write_text(json.dumps(summary, indent=1))

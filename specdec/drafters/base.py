@@ -32,9 +32,12 @@ class Drafter:
     ``begin`` sees the prompts once; ``propose(state, max_len)`` returns a :class:`DraftTree` with at
     most ``max_len`` draft tokens on any root-to-leaf path; ``update`` gets the accepted path.
     ``draft_calls`` counts forward passes of a draft model (0 for model-free drafters).
+    Drafters with ``needs_hidden`` condition on the target's last hidden state: the decode loop then
+    hands them, through :meth:`add_hidden`, the state of every position the target commits.
     """
 
     draft_calls: int = 0
+    needs_hidden: bool = False
 
     def begin(self, state: DecodeState) -> None:
         self.draft_calls = 0
@@ -49,6 +52,11 @@ class Drafter:
         path_len: accepted path length per row (root included, 0 for finished rows); drafted: the
         tree's draft nodes per row. Both are host lists the decode loop already has.
         """
+
+    def add_hidden(self, hidden: torch.Tensor, counts: torch.Tensor) -> None:
+        """The target's last hidden states of the next ``counts [B]`` committed positions of each row,
+        in order: ``hidden [B,n,H]`` (columns past ``counts[b]`` are ignored). Called after ``begin``
+        with the prompt, then after every verification with the accepted path (root first)."""
 
     def observe_step(self, tree_size: int, seconds: float) -> None:
         """The measured target forward time over this step's tree (for cost-aware drafters)."""

@@ -70,9 +70,12 @@ class DraftModelDrafter(Drafter):
         pad = torch.arange(width, device=dev)[None] >= torch.tensor(todo, device=dev)[:, None]
         chunk = state.seq.gather(1, idx.clamp(max=state.seq.shape[1] - 1)).masked_fill(pad, -1)
         catch_up = DraftTree.chain(chunk[:, 0], chunk[:, 1:])
-        logits, _ = self.runner.forward_tree(catch_up)
+        logits, hidden = self.runner.forward_tree(catch_up, self.needs_hidden, self._catch_up_inputs(idx))
         last = torch.tensor(todo, device=dev) - 1
-        logits = logits[torch.arange(b, device=dev), last]
+        rows = torch.arange(b, device=dev)
+        logits = logits[rows, last]
+        hidden = hidden[rows, last] if hidden is not None else None
+        self._proposed_at = list(state.seq_lens_host)
         counts = torch.tensor(todo, device=dev)
         self._commit(torch.arange(width, device=dev).expand(b, width), counts, [s + t for s, t in zip(self._seen, todo)])
         self.draft_calls += 1
@@ -82,8 +85,10 @@ class DraftModelDrafter(Drafter):
             tokens.append(tok)
             probs.append(q)
             if i + 1 < max_len:
-                logits, _ = self.runner.forward_tree(DraftTree.chain(tok))
+                logits, hidden = self.runner.forward_tree(DraftTree.chain(tok), self.needs_hidden,
+                                                          self._step_inputs(hidden))
                 logits = logits[:, 0]
+                hidden = hidden[:, 0] if hidden is not None else None
                 self._commit(torch.zeros(b, 1, dtype=torch.int64, device=dev), torch.ones(b, dtype=torch.int64, device=dev),
                              [s + 1 for s in self._seen])
                 self.draft_calls += 1
@@ -91,14 +96,26 @@ class DraftModelDrafter(Drafter):
         q = None if self.sampling.greedy else torch.stack(probs, dim=1)
         return DraftTree.chain(state.roots, drafts, q)
 
+    def _catch_up_inputs(self, positions: torch.Tensor) -> dict | None:
+        """Extra model inputs for the catch-up nodes at ``positions [B,W]`` (none for a plain draft)."""
+        return None
+
+    def _step_inputs(self, hidden: torch.Tensor | None) -> dict | None:
+        """Extra model inputs for the next drafted token, given the draft's last hidden state ``[B,H]``."""
+        return None
+
+    def _keep(self, state: DecodeState) -> list[int]:
+        """Draft cache entries still valid after verification: the committed prefix the draft has
+        computed, i.e. up to the last accepted draft token it has seen (``state`` now includes the
+        accepted tokens and the next token)."""
+        return [min(seen, total - 1) for seen, total in zip(self._seen, state.seq_lens_host)]
+
     def _commit(self, path, counts, seen):
         self.runner.commit(path, counts, True, max(seen))
         self._seen = seen
 
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
                drafted: list[int]) -> None:
-        # Valid draft KV: the committed prefix the draft computed, i.e. up to the last accepted draft
-        # token it has seen. state.seq_lens_host now includes the accepted tokens and the next token.
-        keep = [min(seen, total - 1) for seen, total in zip(self._seen, state.seq_lens_host)]
+        keep = self._keep(state)
         self.runner.rollback(torch.tensor(keep, device=state.seq.device), max(keep))
         self._seen = keep
