@@ -54,31 +54,45 @@ class SpecDecoder:
     """A target model (and optional draft) ready for speculative generation.
 
     ``model``/``draft``: a name (``smollm2``, ``gemma3-270m``), a local folder, or a loaded
-    ``PreTrainedModel`` (then pass ``tokenizer`` to work with text). ``linear``: kernel of the linear
+    ``PreTrainedModel`` (then pass ``tokenizer`` to work with text). ``draft`` may be a list: the first
+    is the default, ``sd``'s ``draft=NAME`` option picks another (loaded ones are ``draft0``, ...). ``linear``: kernel of the linear
     layers of models loaded by name (``auto``, ``skinny``, ``torch``; see :mod:`specdec.linear`); a
     loaded model is used as given.
     """
 
-    def __init__(self, model: str | PreTrainedModel = DEFAULT_MODEL, draft: str | PreTrainedModel | None = None,
+    def __init__(self, model: str | PreTrainedModel = DEFAULT_MODEL,
+                 draft: str | PreTrainedModel | list | None = None,
                  dtype: str = "fp32", tokenizer=None, device: str = "cpu", linear: str = "auto"):
         if isinstance(model, PreTrainedModel):
             self.model, self.tokenizer = model.eval(), tokenizer
         else:
             self.model, self.tokenizer = load_model(model, dtype, device, linear)
-        self.draft, draft_tok = None, None
-        if draft is not None:
-            if isinstance(draft, PreTrainedModel):
-                self.draft = draft.eval()
+        # Drafts by name; the first is the default. A method option ``draft=NAME`` picks another.
+        self.drafts: dict[str, tuple[PreTrainedModel, ModelRunner]] = {}
+        for i, d in enumerate(draft if isinstance(draft, (list, tuple)) else [] if draft is None else [draft]):
+            if isinstance(d, PreTrainedModel):
+                name, dm, draft_tok = f"draft{i}", d.eval(), None
             else:
-                self.draft, draft_tok = load_model(draft, dtype, device, linear)
-            check_same_vocab(self.model, self.draft, self.tokenizer, draft_tok)
+                name, (dm, draft_tok) = d, load_model(d, dtype, device, linear)
+            check_same_vocab(self.model, dm, self.tokenizer, draft_tok)
+            self.drafts[name] = (dm, ModelRunner(dm))
+        self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
         self.runner = ModelRunner(self.model)
-        self.draft_runner = ModelRunner(self.draft) if self.draft is not None else None
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None
         self._pld_acceptance = AcceptanceModel()  # learned across calls: one model, one workload
         self._ngram_tables: NGramTables | None = None
         self._node_acceptance: dict = {}  # ngrammys: per (k, w, q, strategy, verify), learned across calls
+
+    def get_draft(self, name: str | None = None) -> tuple[PreTrainedModel, ModelRunner]:
+        """The draft model and its runner: the default one, or the one loaded as ``name``."""
+        if not self.drafts:
+            raise ValueError("no draft model loaded (--draft)")
+        if name is None:
+            return self.draft, self.draft_runner
+        if name not in self.drafts:
+            raise ValueError(f"draft {name!r} is not loaded; loaded: {', '.join(self.drafts)}")
+        return self.drafts[name]
 
     def ngram_tables(self) -> NGramTables:
         """The target's unigram and bigram tables (computed once per model, then read from disk)."""
@@ -111,7 +125,8 @@ class SpecDecoder:
         pld: ``num_tokens`` (10), ``n_min`` (1), ``n_max`` (4), ``schedule``: ``cost`` (default: each draft
         cut to the length with the most expected tokens per second, from the measured step cost and the
         acceptance learned per matched n-gram size), ``static`` or transformers' ``heuristic``;
-        sd: ``draft_length`` (5), ``schedule`` ``static`` (default) or ``heuristic``;
+        sd: ``draft_length`` (5), ``schedule`` ``static`` (default) or ``heuristic``, ``draft`` (a loaded
+        draft's name; default: the first);
         ngrammys: ``k`` drafts of ``w`` tokens, context query length ``q``, longest-suffix matches up to
         ``n_max`` tokens ranked first (``n_max <= q``: off), ``strategy`` (``mixed``,
         ``context``, ``bigram``) and ``verify`` (``tree``, ``batch``, ``chain``), defaults in
@@ -153,10 +168,11 @@ class SpecDecoder:
             k = drafter.w
         else:
             k = options.pop("draft_length", 5)
+            draft, draft_runner = self.get_draft(options.pop("draft", None))
             if options:
                 raise ValueError(f"unknown options for 'sd': {sorted(options)}")
-            cls = FeatureDraftDrafter if is_feature_draft(self.draft) else DraftModelDrafter
-            drafter = cls(self.draft_runner, sampling)
+            cls = FeatureDraftDrafter if is_feature_draft(draft) else DraftModelDrafter
+            drafter = cls(draft_runner, sampling)
         policy = HeuristicLength(k, max_k=k if method == "pld" else 64) if schedule == "heuristic" else StaticLength(k)
         return speculative_generate(self.runner, drafter, prompts, max_new_tokens, sampling, self.eos, policy)
 

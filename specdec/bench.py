@@ -54,11 +54,11 @@ def read_prompts(path: str | Path, decoder: SpecDecoder, limit: int | None = Non
 
 
 class _CallCounter:
-    """Counts forward calls of a module through a forward pre-hook."""
+    """Counts forward calls of some modules (together) through forward pre-hooks."""
 
-    def __init__(self, module: torch.nn.Module | None):
+    def __init__(self, *modules: torch.nn.Module):
         self.n = 0
-        self.handle = module.register_forward_pre_hook(self._hook) if module is not None else None
+        self.handles = [m.register_forward_pre_hook(self._hook) for m in modules]
 
     def _hook(self, *_):
         self.n += 1
@@ -87,7 +87,7 @@ def _run_one(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, samp
     if method == "hf-pld":
         return hf_generate(dec.model, prompt, max_new, sampling, prompt_lookup_num_tokens=10), None
     if method == "hf-assisted":
-        return hf_generate(dec.model, prompt, max_new, sampling, assistant_model=dec.draft), None
+        return hf_generate(dec.model, prompt, max_new, sampling, assistant_model=dec.get_draft(own.get("draft"))[0]), None
     res = dec.generate_ids([prompt], method, max_new, sampling, **{**options.get(method, {}), **own})
     return res.tokens[0], res.stats
 
@@ -101,15 +101,16 @@ def run_bench(dec: SpecDecoder, methods: list[str], prompts: list[Prompt], max_n
         m, own = parse_method(label)
         if m not in ALL_METHODS:
             raise ValueError(f"unknown method {m!r}: choose from {', '.join(ALL_METHODS)}")
-        if own and m in HF_METHODS:
-            raise ValueError(f"{m!r} takes no options")
+        if own and m in HF_METHODS and not (m == "hf-assisted" and set(own) == {"draft"}):
+            raise ValueError(f"{m!r} takes no options" + (" but draft=NAME" if m == "hf-assisted" else ""))
         if (m in NEEDS_DRAFT or m == "hf-assisted") and dec.draft is None:
             raise ValueError(f"method {m!r} needs --draft")
-        if m == "hf-assisted" and is_feature_draft(dec.draft):
+        if m == "hf-assisted" and is_feature_draft(dec.get_draft(own.get("draft"))[0]):
             raise ValueError("hf-assisted cannot drive a feature-conditioned (EAGLE) draft: transformers' assisted "
                              "generation does not hand it the target's hidden states; use sd")
     methods = ["hf"] + [m for m in methods if m != "hf"]
-    target_calls, draft_calls = _CallCounter(dec.model), _CallCounter(dec.draft)
+    target_calls = _CallCounter(dec.model)
+    draft_calls = _CallCounter(*[m for m, _ in dec.drafts.values()])
 
     # Warm up every method once (first calls pay for lazy initialisation and allocator growth).
     for m in methods:

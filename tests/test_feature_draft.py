@@ -189,3 +189,21 @@ def test_trained_drafter_rereads_accepted_tokens_with_target_states(distilled):
     states would propose different chains than the from-scratch recomputation."""
     target, draft, _, prompts = distilled
     assert sum(_check_chains(target, draft, p, 3) for p in prompts[:4]) >= 8
+
+
+def test_bench_compares_two_drafts_in_one_run():
+    """sd with a feature draft beside hf-assisted and sd with a plain draft, one decoder, one run."""
+    from specdec.bench import Prompt, run_bench
+    from tests.test_distill import tiny_draft
+
+    target = tiny_model("llama", VOCAB)
+    dec = SpecDecoder(target, draft=[tiny_eagle(target), tiny_draft()])
+    assert list(dec.drafts) == ["draft0", "draft1"] and dec.get_draft()[0] is dec.drafts["draft0"][0]
+    with pytest.raises(ValueError, match="not loaded"):
+        dec.get_draft("other")
+    prompts = [Prompt("a", "c", [3, 4, 5, 6]), Prompt("b", "c", [7, 8, 9])]
+    res = run_bench(dec, ["hf", "hf-assisted:draft=draft1", "sd:draft_length=3", "sd:draft=draft1:draft_length=3"],
+                    prompts, 12)
+    assert all(r["identical_to_reference"] for r in res["runs"])
+    draft_calls = {r["method"]: r["draft_calls"] for r in res["runs"] if r["prompt_id"] == "a"}
+    assert all(n > 0 for m, n in draft_calls.items() if m != "hf")
