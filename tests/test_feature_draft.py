@@ -207,3 +207,17 @@ def test_bench_compares_two_drafts_in_one_run():
     assert all(r["identical_to_reference"] for r in res["runs"])
     draft_calls = {r["method"]: r["draft_calls"] for r in res["runs"] if r["prompt_id"] == "a"}
     assert all(n > 0 for m, n in draft_calls.items() if m != "hf")
+
+
+@pytest.mark.parametrize("kind", ["eagle", "plain"])
+def test_distill_evaluate_measures_either_draft(kind):
+    from specdec.bench import Prompt
+    from specdec.distill.evaluate import acceptance, cost_ratio
+    from tests.test_distill import tiny_draft
+
+    target = tiny_model("llama", VOCAB)
+    dec = SpecDecoder(target, draft=tiny_eagle(target) if kind == "eagle" else tiny_draft())
+    cost = cost_ratio(dec, [3, 4, 5, 6, 7], steps=6, rounds=1)
+    assert cost["c"] > 0 and cost["target_step_ms"] > 0
+    acc = acceptance(dec, [Prompt("a", "x", [3, 4, 5]), Prompt("b", "y", [9, 8])], 10, 2)
+    assert set(acc["per_category"]) == {"x", "y"} and acc["overall"]["drafted"] > 0

@@ -17,20 +17,30 @@ import time
 
 import torch
 
+from specdec.distill.eagle import is_feature_draft
 from specdec.tree import DraftTree
 
 
 @torch.inference_mode()
 def step_times(runner, prompt: list[int], steps: int) -> list[float]:
-    """Seconds of ``steps`` single-token forwards (+ commit) after a prefill of ``prompt``."""
-    runner.reset(1, len(prompt) + steps + 8)
+    """Seconds of ``steps`` single-token forwards (+ commit) after encoding ``prompt``. A
+    feature-conditioned draft gets zero target states of the right shape (the cost is the same)."""
+    feature = is_feature_draft(runner.model)
+    h = runner.config.hidden_size
+
+    def extra(t: int):
+        return {"target_hidden": torch.zeros(1, t, h, dtype=runner.model.dtype, device=runner.device)} if feature else None
+
+    n = len(prompt)
+    runner.reset(1, n + steps + 8)
     ids = torch.tensor([prompt], device=runner.device)
-    logits, _ = runner.prefill(ids, torch.tensor([len(prompt)], device=runner.device))
-    tok = logits.argmax(-1)
+    logits, _ = runner.forward_tree(DraftTree.chain(ids[:, 0], ids[:, 1:]), extra_inputs=extra(n))
+    runner.commit(torch.arange(n, device=runner.device)[None], torch.tensor([n], device=runner.device), True, n)
+    tok = logits[:, -1].argmax(-1)
     out = []
     for _ in range(steps):
         t = time.perf_counter()
-        logits, _ = runner.forward_tree(DraftTree.chain(tok))
+        logits, _ = runner.forward_tree(DraftTree.chain(tok), feature, extra(1))
         runner.commit(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), True,
                       runner.cache.write_pos + 1)
         out.append(time.perf_counter() - t)
