@@ -75,6 +75,12 @@ class SpecDecoder:
             else:
                 name, (dm, draft_tok) = d, load_model(d, dtype, device, linear)
             check_same_vocab(self.model, dm, self.tokenizer, draft_tok)
+            width = self.model.config.get_text_config().hidden_size
+            if is_feature_draft(dm) and dm.config.hidden_size != width:
+                raise ValueError(f"feature-conditioned draft {name!r} reads hidden states of width "
+                                 f"{dm.config.hidden_size}, the target's are {width}: it was made for another target")
+            if name in self.drafts:
+                raise ValueError(f"draft {name!r} given twice")
             self.drafts[name] = (dm, ModelRunner(dm))
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
         self.runner = ModelRunner(self.model)
@@ -90,6 +96,7 @@ class SpecDecoder:
             raise ValueError("no draft model loaded (--draft)")
         if name is None:
             return self.draft, self.draft_runner
+        name = str(name)  # method options parse all-digit values as ints
         if name not in self.drafts:
             raise ValueError(f"draft {name!r} is not loaded; loaded: {', '.join(self.drafts)}")
         return self.drafts[name]

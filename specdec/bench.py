@@ -105,6 +105,8 @@ def run_bench(dec: SpecDecoder, methods: list[str], prompts: list[Prompt], max_n
             raise ValueError(f"{m!r} takes no options" + (" but draft=NAME" if m == "hf-assisted" else ""))
         if (m in NEEDS_DRAFT or m == "hf-assisted") and dec.draft is None:
             raise ValueError(f"method {m!r} needs --draft")
+        if "draft" in own:
+            dec.get_draft(str(own["draft"]))  # an unknown name fails here, before anything runs
         if m == "hf-assisted" and is_feature_draft(dec.get_draft(own.get("draft"))[0]):
             raise ValueError("hf-assisted cannot drive a feature-conditioned (EAGLE) draft: transformers' assisted "
                              "generation does not hand it the target's hidden states; use sd")

@@ -13,7 +13,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="smollm2 (default), gemma3-270m, or a local model folder")
     p.add_argument("--draft", default=None,
                    help="draft model (same vocabulary), needed by sd and hf-assisted; a comma list loads several "
-                        "(the first is the default, methods pick another with e.g. sd:draft=NAME)")
+                        "(the first is the default; bench methods pick another, e.g. sd:draft=NAME)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--linear", default="auto", choices=["torch", "skinny", "auto"],
@@ -56,7 +56,7 @@ def _sampling(args):
 def cmd_generate(args) -> int:
     from specdec.api import SpecDecoder
 
-    dec = SpecDecoder(args.model, args.draft and args.draft.split(","), args.dtype, linear=args.linear)
+    dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype, linear=args.linear)
     s = _sampling(args)
     out = dec.generate(args.prompt, args.method, args.max_new_tokens, chat=not args.no_chat, temperature=s.temperature,
                        top_k=s.top_k, top_p=s.top_p, seed=s.seed, **_method_options(args, args.method))
@@ -75,7 +75,7 @@ def cmd_bench(args) -> int:
     from specdec.api import SpecDecoder
     from specdec.bench import bench_config, format_table, read_prompts, run_bench
 
-    dec = SpecDecoder(args.model, args.draft and args.draft.split(","), args.dtype, linear=args.linear)
+    dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype, linear=args.linear)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     prompts = read_prompts(args.prompts, dec, args.limit, args.per_category)
     s = _sampling(args)

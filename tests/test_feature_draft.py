@@ -85,27 +85,29 @@ def _teacher_forced_chain(target, draft, seq: list[int], k: int) -> list[int]:
         return out
 
 
-def _check_chains(target, draft, prompt: list[int], draft_length: int) -> int:
-    """Decode ``prompt`` with sd, check every step's chain and the output; return the accepted count."""
+def _check_chains(target, draft, prompts: list[list[int]], draft_length: int) -> int:
+    """Decode ``prompts`` (one ragged batch) with sd; check every row's chain at every step against
+    the from-scratch recomputation, and greedy outputs against transformers. Returns accepted tokens."""
     dec = SpecDecoder(target, draft=draft)
     seen = []
     orig = FeatureDraftDrafter.propose
 
     def spy(self, state, max_len):
         tree = orig(self, state, max_len)
-        seq = state.seq[0, : state.seq_lens_host[0]].tolist()
-        seen.append((seq, tree.tokens[0, 1:].tolist()))
+        for r in range(state.seq.shape[0]):
+            seq = state.seq[r, : state.seq_lens_host[r]].tolist()
+            seen.append((seq, tree.tokens[r, 1:].tolist()))
         return tree
 
     FeatureDraftDrafter.propose = spy
     try:
-        res = dec.generate_ids([prompt], "sd", 24, draft_length=draft_length)
+        res = dec.generate_ids(prompts, "sd", 24, draft_length=draft_length)
     finally:
         FeatureDraftDrafter.propose = orig
-    assert res.tokens[0] == hf_generate(target, prompt, 24, SamplingConfig())
-    assert len(seen) > 3
+    assert res.tokens == [hf_generate(target, p, 24, SamplingConfig()) for p in prompts]
     for seq, drafted in seen:
         assert drafted == _teacher_forced_chain(target, draft, seq, len(drafted))
+    assert len(seen) > 3
     return res.stats.accepted_tokens
 
 
@@ -114,7 +116,13 @@ def test_drafter_feeds_the_target_state_before_each_token(draft_length):
     """Every step's chain equals the one recomputed from scratch with the target's states: the
     drafter's feature buffer, catch-up and rollback line up with the committed sequence."""
     target = tiny_model("llama", VOCAB)
-    _check_chains(target, tiny_eagle(target), [3, 4, 5, 6, 7, 9, 11], draft_length)
+    _check_chains(target, tiny_eagle(target), [[3, 4, 5, 6, 7, 9, 11]], draft_length)
+
+
+def test_drafter_lines_up_every_row_of_a_ragged_batch():
+    """Rows of different lengths, finishing at different steps (EOS is id 1 in the tiny models)."""
+    target = tiny_model("llama", VOCAB)
+    _check_chains(target, tiny_eagle(target), [[3, 4, 5, 6, 7, 9, 11], [8], [20, 21, 22, 1, 30]], 3)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -175,7 +183,7 @@ def test_distill_eagle_end_to_end(distilled):
     target, draft, summary, prompts = distilled
     assert is_feature_draft(draft) and summary["arch"] == "eagle" and summary["steps"] == 150
     assert summary["train_top1_ema"] > 0.3  # it learns (a random draft agrees ~1/48 of the time)
-    assert summary["held_out"]["positions"] > 0 and 0 <= summary["held_out"]["depth1_agreement"] <= 1
+    assert summary["held_out"]["positions"] > 0
     dec = SpecDecoder(target, draft=draft)
     for temperature in (0.0, 0.9):
         res = dec.generate_ids(prompts[:3], "sd", 24, SamplingConfig(temperature, seed=0), draft_length=3)
@@ -188,7 +196,8 @@ def test_trained_drafter_rereads_accepted_tokens_with_target_states(distilled):
     """With a draft that gets accepted, a drafter that kept the positions it drafted from its own
     states would propose different chains than the from-scratch recomputation."""
     target, draft, _, prompts = distilled
-    assert sum(_check_chains(target, draft, p, 3) for p in prompts[:4]) >= 8
+    assert sum(_check_chains(target, draft, [p], 3) for p in prompts[:4]) >= 8
+    assert _check_chains(target, draft, prompts[4:8], 3) > 0  # a ragged batch, with acceptances
 
 
 def test_bench_compares_two_drafts_in_one_run():
@@ -202,11 +211,22 @@ def test_bench_compares_two_drafts_in_one_run():
     with pytest.raises(ValueError, match="not loaded"):
         dec.get_draft("other")
     prompts = [Prompt("a", "c", [3, 4, 5, 6]), Prompt("b", "c", [7, 8, 9])]
-    res = run_bench(dec, ["hf", "hf-assisted:draft=draft1", "sd:draft_length=3", "sd:draft=draft1:draft_length=3"],
-                    prompts, 12)
+    calls = {name: 0 for name in dec.drafts}
+    for name, (model, _) in dec.drafts.items():
+        model.register_forward_pre_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+    methods = ["hf", "hf-assisted:draft=draft1", "sd:draft_length=3", "sd:draft=draft1:draft_length=3"]
+    res = run_bench(dec, methods, prompts, 12)
     assert all(r["identical_to_reference"] for r in res["runs"])
-    draft_calls = {r["method"]: r["draft_calls"] for r in res["runs"] if r["prompt_id"] == "a"}
-    assert all(n > 0 for m, n in draft_calls.items() if m != "hf")
+    used = {}
+    for m in methods[1:]:  # which draft each method runs, one call at a time
+        before = dict(calls)
+        dec_res = run_bench(dec, ["hf", m], prompts[:1], 6)
+        assert dec_res["runs"]
+        used[m] = {n for n in calls if calls[n] > before[n]}
+    assert used == {"hf-assisted:draft=draft1": {"draft1"}, "sd:draft_length=3": {"draft0"},
+                    "sd:draft=draft1:draft_length=3": {"draft1"}}
+    with pytest.raises(ValueError, match="not loaded"):
+        run_bench(dec, ["hf", "sd:draft=nope"], prompts, 6)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "plain"])

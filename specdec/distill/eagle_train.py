@@ -36,19 +36,21 @@ class FeatureExample:
 def feature_shards(model, shards: list[Path], max_context: int, max_tokens: int, progress: bool = True) -> list[Path]:
     """For each data shard, a ``feat_{name}`` shard of ``{"ids", "feat", "first"}`` records: the prompt
     cut to its last ``max_context`` tokens, then the generation, with the target's last hidden state
-    at every position. Existing feature shards are kept (resume)."""
+    at every position. Existing feature shards made with the same ``max_context`` are kept (resume);
+    the target is the one the data shards came from (the work folder belongs to one target)."""
     out = []
     for shard in tqdm(shards, desc="features", unit="shard", disable=not progress):
         path = shard.with_name(f"feat_{shard.name}")
         out.append(path)
-        if path.exists():
+        if path.exists() and torch.load(path, weights_only=True)[0].get("max_context") == max_context:
             continue
         recs = []
         for r in torch.load(shard, weights_only=True):
             p, g = r["prompt_len"], len(r["topk_idx"])
             start = max(0, p - max_context)
             ids = r["ids"][start: p + g].long()
-            recs.append({"id": r["id"], "ids": ids, "first": p - 1 - start if g and p > 1 else 0})
+            recs.append({"id": r["id"], "ids": ids, "first": p - 1 - start if g and p > 1 else 0,
+                         "max_context": max_context})
         recs.sort(key=lambda r: len(r["ids"]))
         i = 0
         while i < len(recs):
@@ -93,15 +95,17 @@ def _draft_pass(draft: SpecdecEagleForCausalLM, ids, prev):
     return hidden, draft.lm_head(hidden)[..., : draft.draft_vocab_size]
 
 
-def eagle_loss(draft: SpecdecEagleForCausalLM, batch: list[FeatureExample], teacher_head: torch.Tensor,
+def eagle_loss(draft: SpecdecEagleForCausalLM, batch: list[FeatureExample], target_head: torch.Tensor,
                unroll: int = 1, reg_weight: float = 1.0):
     """Mean loss over every position (summed over unrolled passes) and the first pass's top-1
-    agreement with the target (a float). teacher_head: ``[Vd,H]`` the target's output rows of the
-    draft vocabulary."""
-    dev = teacher_head.device
+    agreement with the target (a float). target_head: ``[Vt,H]`` the target's output layer; its rows
+    of the draft's current vocabulary (``draft.draft_vocab``) give the teacher distribution."""
+    if unroll < 1:
+        raise ValueError(f"unroll must be >= 1, got {unroll}")
+    dev = target_head.device
     ids, feat, valid = _collate(batch, dev)
-    with torch.no_grad():
-        p = (feat @ teacher_head.T).softmax(-1)
+    with torch.no_grad(), torch.autocast(dev.type, enabled=False):  # the teacher stays fp32
+        p = (feat @ target_head[draft.draft_vocab].float().T).softmax(-1)
     prev = F.pad(feat[:, :-1], (0, 0, 1, 0))
     total, agree = 0.0, 0.0
     for k in range(unroll):
@@ -135,7 +139,7 @@ def eagle_evaluate(draft: SpecdecEagleForCausalLM, examples: list[FeatureExample
         i = j
         ids, feat, valid = _collate(batch, dev)
         nxt = F.pad(ids[:, 1:], (0, 1), value=-1)
-        mask = valid & (nxt >= 0)
+        mask = valid & F.pad(valid[:, 1:], (0, 1), value=False)  # a next token exists
         for r, e in enumerate(batch):
             mask[r, : e.first] = False
         prev = F.pad(feat[:, :-1], (0, 0, 1, 0))

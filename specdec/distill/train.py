@@ -198,7 +198,7 @@ def _eagle_setup(args, target32, layers, vocab, shards, held: set, work: Path):
     target32.to(args.device)
     feats = feature_shards(target32, shards, args.max_context, args.max_tokens)
     draft = eagle_from_target(target32, layers, vocab, args.target)
-    teacher = target32.get_output_embeddings().weight[draft.draft_vocab].detach().float().to(args.device)
+    head = target32.get_output_embeddings().weight.detach().float().to(args.device)
     target32.cpu()
     examples, held_out = [], []
     for shard, feat in zip(shards, feats):
@@ -209,8 +209,8 @@ def _eagle_setup(args, target32, layers, vocab, shards, held: set, work: Path):
                 held_out.append(e)
 
     def loss_fn(d, batch, autocast):
-        with torch.autocast(teacher.device.type, dtype=torch.bfloat16, enabled=autocast):
-            return eagle_loss(d, batch, teacher, args.unroll)
+        with torch.autocast(head.device.type, dtype=torch.bfloat16, enabled=autocast):
+            return eagle_loss(d, batch, head, args.unroll)
 
     return draft, examples, held_out, loss_fn, lambda d, h, m: eagle_evaluate(d, h, m)
 

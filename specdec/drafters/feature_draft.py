@@ -60,5 +60,6 @@ class FeatureDraftDrafter(DraftModelDrafter):
         return {"target_hidden": hidden[:, None]}
 
     def _keep(self, state: DecodeState) -> list[int]:
-        # Only positions read with the target's own state stay: those before this step's drafts.
-        return [min(seen, at) for seen, at in zip(self._seen, self._proposed_at)]
+        # Only positions read with the target's own state stay: those before this step's drafts (and,
+        # as for any draft, never the pending root, so a finished row still has a token to read).
+        return [min(seen, at, total - 1) for seen, at, total in zip(self._seen, self._proposed_at, state.seq_lens_host)]
