@@ -31,8 +31,21 @@ def markdown(result: dict) -> str:
         ident = "-" if s[m]["identical_rate"] is None else f"{s[m]['identical_rate']:.0%}"
         rows.append(f"| {m} | {s[m]['tokens_per_second']:.1f} | {s[m]['speedup']:.2f}x | {s[m]['tokens_per_call']:.2f} "
                     f"| {acc} | {ident} |")
+    acc = acceptance(runs, cats, [m for m in methods if s[m]["accept_rate"] is not None])
     alloc = allocation(runs, methods)
-    return "\n".join(rows + ([""] + alloc if alloc else []))
+    return "\n".join(rows + ([""] + acc if acc else []) + ([""] + alloc if alloc else []))
+
+
+def acceptance(runs: list[dict], cats: list[str], methods: list[str]) -> list[str]:
+    """Per category: accepted / drafted tokens of each drafting method."""
+    if not methods:
+        return []
+    rows = ["| category | " + " | ".join(f"{m} accept rate" for m in methods) + " |", "|---|" + "---|" * len(methods)]
+    for cat in cats + ["overall"]:
+        s = summarize([r for r in runs if cat == "overall" or r["category"] == cat])
+        cells = ["-" if s[m]["accept_rate"] is None else f"{s[m]['accept_rate']:.3f}" for m in methods]
+        rows.append(f"| {cat} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def allocation(runs: list[dict], methods: list[str]) -> list[str]:
