@@ -34,7 +34,7 @@ EMBEDDED = {
 }
 DEFAULT_MODEL = "smollm2"
 # Draft models shipped inside the package (trained with ``specdec distill``), by alias.
-DRAFTS = {"smollm2-draft": Path(__file__).parent / "data" / "drafts" / "smollm2-draft"}
+DRAFTS = {name: Path(__file__).parent / "data" / "drafts" / name for name in ("smollm2-draft", "smollm2-eagle")}
 
 
 def cache_dir() -> Path:

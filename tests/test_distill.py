@@ -135,25 +135,31 @@ SHIPPED_PROMPTS = [
 ]
 
 
-def test_shipped_draft_is_small_and_resolves():
-    path = resolve("smollm2-draft")
+SHIPPED_DRAFTS = ["smollm2-draft", "smollm2-eagle"]
+
+
+@pytest.mark.parametrize("name", SHIPPED_DRAFTS)
+def test_shipped_draft_is_small_and_resolves(name):
+    path = resolve(name)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     assert size <= 25_000_000, size
 
 
-def test_shipped_draft_borrows_its_targets_tokenizer():
+@pytest.mark.parametrize("name", SHIPPED_DRAFTS)
+def test_shipped_draft_borrows_its_targets_tokenizer(name):
     from specdec.hub import tokenizer_path
 
-    assert not (resolve("smollm2-draft") / "tokenizer.json").exists()  # shipped without one, to stay small
-    assert tokenizer_path(resolve("smollm2-draft")) == resolve("smollm2")
-    _, tok = load_model("smollm2-draft", "fp32")
+    assert not (resolve(name) / "tokenizer.json").exists()  # shipped without one, to stay small
+    assert tokenizer_path(resolve(name)) == resolve("smollm2")
+    _, tok = load_model(name, "fp32")
     _, target_tok = load_model("smollm2", "fp32")
     assert tok.get_vocab() == target_tok.get_vocab() and tok.chat_template == target_tok.chat_template
 
 
+@pytest.mark.parametrize("name", SHIPPED_DRAFTS)
 @pytest.mark.parametrize("prompt", SHIPPED_PROMPTS)
-def test_sd_with_shipped_draft_is_lossless_on_embedded_model(prompt):
-    out = specdec.generate(prompt, method="sd", draft="smollm2-draft", max_new_tokens=32)
+def test_sd_with_shipped_draft_is_lossless_on_embedded_model(prompt, name):
+    out = specdec.generate(prompt, method="sd", draft=name, max_new_tokens=32)
     model, tok = load_model("smollm2", "fp32")
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True)["input_ids"]
     assert out.tokens == hf_generate(model, list(ids), 32, SamplingConfig())
