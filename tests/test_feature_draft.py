@@ -127,15 +127,10 @@ def test_drafter_lines_up_every_row_of_a_ragged_batch():
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_sd_with_feature_draft_ragged_batch(temperature):
+    from tests.test_distill import check_sd_ragged
+
     target = tiny_model("llama", VOCAB)
-    dec = SpecDecoder(target, draft=tiny_eagle(target))
-    prompts = [[3, 4, 5, 6], [10, 20, 30, 40, 50, 2, 7], [8]]
-    res = dec.generate_ids(prompts, "sd", 20, SamplingConfig(temperature, seed=1), draft_length=3)
-    assert res.stats.drafted_tokens > 0
-    for p, toks in zip(prompts, res.tokens):
-        assert all(0 <= t < VOCAB for t in toks)
-        if temperature == 0:
-            assert toks == hf_generate(target, p, 20, SamplingConfig())
+    check_sd_ragged(target, tiny_eagle(target), [[3, 4, 5, 6], [10, 20, 30, 40, 50, 2, 7], [8]], temperature)
 
 
 def test_hf_assisted_refuses_a_feature_draft():

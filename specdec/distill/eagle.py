@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from specdec.distill.model import SpecdecDraftConfig, SpecdecDraftForCausalLM, draft_from_target
+from specdec.distill.model import SpecdecDraftConfig, SpecdecDraftForCausalLM, draft_from_target, register
 
 MODEL_TYPE = "specdec_eagle"
 
@@ -75,13 +74,7 @@ def is_feature_draft(model) -> bool:
     return isinstance(model, SpecdecEagleForCausalLM)
 
 
-def register() -> None:
-    """Make ``AutoConfig``/``AutoModelForCausalLM`` (and so ``specdec.hub.load_model``) know the class."""
-    AutoConfig.register(MODEL_TYPE, SpecdecEagleConfig, exist_ok=True)
-    AutoModelForCausalLM.register(SpecdecEagleConfig, SpecdecEagleForCausalLM, exist_ok=True)
-
-
-register()
+register(SpecdecEagleConfig, SpecdecEagleForCausalLM)
 
 
 @torch.no_grad()

@@ -114,10 +114,10 @@ class SpecdecDraftForCausalLM(LlamaForCausalLM):
         return out
 
 
-def register() -> None:
-    """Make ``AutoConfig``/``AutoModelForCausalLM`` (and so ``specdec.hub.load_model``) know the class."""
-    AutoConfig.register(MODEL_TYPE, SpecdecDraftConfig, exist_ok=True)
-    AutoModelForCausalLM.register(SpecdecDraftConfig, SpecdecDraftForCausalLM, exist_ok=True)
+def register(config_cls=SpecdecDraftConfig, model_cls=SpecdecDraftForCausalLM) -> None:
+    """Make ``AutoConfig``/``AutoModelForCausalLM`` (and so ``specdec.hub.load_model``) know a draft class."""
+    AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+    AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
 
 
 register()

@@ -75,7 +75,6 @@ class DraftModelDrafter(Drafter):
         rows = torch.arange(b, device=dev)
         logits = logits[rows, last]
         hidden = hidden[rows, last] if hidden is not None else None
-        self._proposed_at = list(state.seq_lens_host)
         counts = torch.tensor(todo, device=dev)
         self._commit(torch.arange(width, device=dev).expand(b, width), counts, [s + t for s, t in zip(self._seen, todo)])
         self.draft_calls += 1

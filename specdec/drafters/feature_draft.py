@@ -39,6 +39,10 @@ class FeatureDraftDrafter(DraftModelDrafter):
         self._nfeat = torch.zeros(b, dtype=torch.int64, device=state.seq.device)
         self._proposed_at = [0] * b
 
+    def propose(self, state: DecodeState, max_len: int):
+        self._proposed_at = list(state.seq_lens_host)  # positions below it are read with the target's states
+        return super().propose(state, max_len)
+
     def add_hidden(self, hidden: torch.Tensor, counts: torch.Tensor) -> None:
         b, n, _ = hidden.shape
         dump = self._feat.shape[1] - 1
