@@ -7,9 +7,13 @@ cannot gain. :func:`specdec.kernels.skinny_linear` streams the weights once for 
 batch-invariant (a row's result does not depend on which other rows share the call), so verifying T
 tokens agrees bit for bit with one-token decoding through every linear layer.
 
+Prefill has the opposite problem: a bf16/fp16 product over many rows on such a CPU is 4-6x slower
+than widening the weights to fp32 and calling the fp32 GEMM, so those calls are widened (where the
+CPU has native bf16 matrix instructions, torch's own kernel is kept).
+
 The swap replaces modules the way transformers' quantizers do (same parameters, same state dict);
 no model code is changed. Calls with more rows than ``max_rows`` (prefill), with gradients, or off
-the CPU go to ``nn.Linear.forward``.
+the CPU go to ``nn.Linear.forward`` (widened as above).
 """
 from __future__ import annotations
 
@@ -32,6 +36,25 @@ def _op():
     return ops.skinny_linear.default
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_has_half_gemm() -> bool:
+    """Whether this CPU has bf16/fp16 matrix instructions (AVX-512 BF16 or AMX), for which torch's
+    half-precision GEMM is fast; without them it is a slow fallback."""
+    cpu = torch.cpu
+    return any(getattr(cpu, name, lambda: False)() for name in
+               ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"))
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x . W^T + b`` for half-precision CPU tensors through the fp32 GEMM, rounded back to ``x``'s dtype.
+
+    x: ``[..., K]``; weight: ``[N,K]``; bias: ``[N]`` or None -> ``[..., N]``. Widening costs one pass
+    over the weights, repaid from a few dozen rows on: use it for prefill, not for decoding.
+    """
+    out = nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
 def default_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which the skinny kernel is used on CPU. Measured on an AVX2 CPU: torch's fp32 GEMM
     catches up at about 16 rows; its bf16 GEMM, without native bf16 instructions, is 4x slower at 16 rows
@@ -43,14 +66,19 @@ class SkinnyLinear(nn.Linear):
     """``nn.Linear`` whose CPU products over at most ``max_rows`` rows use :func:`specdec.kernels.skinny_linear`."""
 
     max_rows: int = 16
+    widen: bool = False
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, max_rows: int) -> "SkinnyLinear":
-        """A SkinnyLinear sharing ``linear``'s weight and bias Parameters (ties are kept)."""
+    def from_linear(cls, linear: nn.Linear, max_rows: int, widen: bool | None = None) -> "SkinnyLinear":
+        """A SkinnyLinear sharing ``linear``'s weight and bias Parameters (ties are kept).
+
+        widen: run half-precision products over more than ``max_rows`` rows through
+        :func:`widened_linear` (default: where the CPU lacks bf16/fp16 matrix instructions)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         new.weight = linear.weight
         new.bias = linear.bias
         new.max_rows = max_rows
+        new.widen = (not cpu_has_half_gemm()) if widen is None else widen
         new.train(linear.training)
         return new
 
@@ -63,6 +91,9 @@ class SkinnyLinear(nn.Linear):
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             shape = x.shape[:-1] + (self.out_features,)
             return _op()(x.reshape(-1, k), self.weight, self.bias).view(shape)
+        if (self.widen and x.is_cpu and x.dtype == self.weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+                and not torch.is_grad_enabled()):
+            return widened_linear(x, self.weight, self.bias)
         return super().forward(x)
 
 

@@ -106,6 +106,25 @@ def test_module_routes_by_rows_and_grad():
 
 
 @native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_module_widens_half_precision_prefill(dtype):
+    """Half-precision products over more than max_rows rows take the fp32 GEMM when ``widen`` is set
+    (one rounding at the end, so within one output ulp of torch's own kernel), and torch's kernel when not."""
+    lin = nn.Linear(48, 20).to(dtype)
+    x = torch.randn(2, 9, 48).to(dtype)
+    expect = (x.float() @ lin.weight.float().T + lin.bias.float()).to(dtype)
+    with torch.no_grad():
+        widened = SkinnyLinear.from_linear(lin, max_rows=4, widen=True)(x)
+        plain = SkinnyLinear.from_linear(lin, max_rows=4, widen=False)(x)
+        assert widened.dtype == dtype and widened.shape == (2, 9, 20)
+        assert torch.equal(widened, expect)
+        assert torch.equal(plain, lin(x))
+        torch.testing.assert_close(widened, plain)
+        few = x[0, :3]  # at most max_rows rows: the skinny kernel whatever ``widen`` says
+        assert torch.equal(SkinnyLinear.from_linear(lin, max_rows=4, widen=True)(few), skinny_linear(few, lin.weight, lin.bias))
+
+
+@native
 @pytest.mark.parametrize("method,opts", [("pld", {}), ("ngrammys", {}), ("sd", {"draft_length": 4})])
 def test_lossless_with_skinny(arch, method, opts):
     """Greedy decoding on a target whose linear layers run the skinny kernel equals transformers'
