@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -66,12 +66,17 @@ def bigram_topk(model: PreTrainedModel, k: int, batch_size: int = 1024, progress
     return out
 
 
-def extend_bigram(bigram: torch.Tensor, w: int) -> torch.Tensor:
+def extend_bigram(bigram: torch.Tensor, w: int, rows: torch.Tensor | None = None, k: int | None = None) -> torch.Tensor:
     """Extended bigram ``[V, k, w] int64``: row ``(x, i)`` is ``[b_i, t(b_i), t(t(b_i)), ...]`` with
-    ``b_i = bigram[x, i]`` and ``t(y) = bigram[y, 0]`` (the "chained" extension of the paper)."""
+    ``b_i = bigram[x, i]`` and ``t(y) = bigram[y, 0]`` (the "chained" extension of the paper).
+
+    rows: ``[B]`` token ids to extend (default every vocabulary entry) -> ``[B, k, w]``; k: the first
+    ``k`` bigram columns only (default all). A decoding step extends just its last tokens this way,
+    in ``w - 1`` gathers, instead of building the whole table."""
     if w < 1:
         raise ValueError(f"w must be >= 1, got {w}")
-    cols = [bigram]
+    first = bigram if rows is None else bigram[rows]
+    cols = [first if k is None else first[:, :k]]
     top1 = bigram[:, 0]
     for _ in range(w - 1):
         cols.append(top1[cols[-1]])
@@ -94,10 +99,20 @@ class NGramTables:
 
     bigram: torch.Tensor
     unigram: torch.Tensor
+    _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def extended(self, w: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[V, k_max, w] int64`` extended-bigram table on ``device``."""
         return extend_bigram(self.bigram, w).to(device)
+
+    def bigram_on(self, device: torch.device | str) -> torch.Tensor:
+        """``bigram`` on ``device`` (copied once per device and kept)."""
+        device = torch.device(device)
+        if self.bigram.device == device:
+            return self.bigram
+        if device not in self._copies:
+            self._copies[device] = self.bigram.to(device)
+        return self._copies[device]
 
 
 def compute_tables(model: PreTrainedModel, k_max: int = 32, progress: bool = False) -> NGramTables:

@@ -91,6 +91,8 @@ def test_bigram_table_by_hand():
     ext = extend_bigram(big, 4)
     assert ext.shape == (v, 3, 4)
     assert ext[2].tolist() == [[3, 4, 5, 6], [4, 5, 6, 7], [5, 6, 7, 0]]
+    rows = torch.tensor([2, 7, 2])
+    assert torch.equal(extend_bigram(big, 4, rows, k=2), ext[rows, :2])  # what a decoding step builds
 
 
 def test_bigram_table_equals_one_forward_per_token():

@@ -17,7 +17,7 @@ import torch
 
 from specdec import kernels
 from specdec.drafters.base import DecodeState, Drafter
-from specdec.ngram_tables import NGramTables
+from specdec.ngram_tables import NGramTables, extend_bigram
 from specdec.policies import StepCost
 from specdec.tree import DraftTree
 
@@ -53,17 +53,11 @@ class NGrammysDrafter(Drafter):
         self.cost = cost
         self.acceptance = acceptance if acceptance is not None else (NodeAcceptance(k, w) if cost else None)
         self._slot: torch.Tensor | None = None  # [B,T] (source, rank, depth) cell of each node
-        self._ext: torch.Tensor | None = None
         self._chain_of_node: torch.Tensor | None = None
         self._n_ctx: torch.Tensor | None = None
         self._n_long: torch.Tensor | None = None
         self.allocation = {"steps": 0, "context_slots": 0, "bigram_slots": 0,
                            "context_accepted": 0, "bigram_accepted": 0}
-
-    def _extended(self, device) -> torch.Tensor:
-        if self._ext is None or self._ext.device != torch.device(device):
-            self._ext = self.tables.extended(self.w, device)
-        return self._ext
 
     def context_drafts(self, state: DecodeState, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[B,k,w]`` context drafts (-1 padded, best first), ``[B]`` how many there are, and ``[B]`` how
@@ -102,7 +96,7 @@ class NGrammysDrafter(Drafter):
         if self.strategy == "context":
             return ctx, n_ctx
         slot = torch.arange(k, device=dev)[None, :] - n_ctx[:, None]  # bigram rank for each remaining slot
-        big = self._extended(dev)[state.roots][:, :, :w]  # [B,k_max,w]
+        big = extend_bigram(self.tables.bigram_on(dev), w, state.roots, k)  # [B,k,w]
         fill = big.gather(1, slot.clamp(min=0)[:, :, None].expand(b, k, w))
         return torch.where((slot >= 0)[:, :, None], fill, ctx), n_ctx
 
