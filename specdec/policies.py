@@ -66,6 +66,25 @@ class StepCost:
         slope = (self.table[last] - self.table[prev]) / max(1, last - prev)
         return self.table[last] + max(0.0, slope) * (t - last)
 
+    def costs(self, n: int) -> list[float]:
+        """``[c(1), ..., c(n)]`` in one pass over the table (what a planner scoring every tree size needs)."""
+        sizes, table = self.sizes, self.table
+        last = sizes[-1]
+        prev = sizes[-2] if len(sizes) > 1 else last
+        slope = max(0.0, (table[last] - table[prev]) / max(1, last - prev))
+        out, j = [], 0
+        for t in range(1, n + 1):
+            if t <= sizes[0]:
+                out.append(table[sizes[0]])
+            elif t > last:
+                out.append(table[last] + slope * (t - last))
+            else:
+                while sizes[j + 1] < t:
+                    j += 1
+                lo, hi = sizes[j], sizes[j + 1]
+                out.append(table[lo] + (table[hi] - table[lo]) * (t - lo) / (hi - lo))
+        return out
+
     @classmethod
     def calibrate(cls, runner, context: int = 128, repeats: int = 3, sizes=SIZES) -> "StepCost":
         import time

@@ -7,38 +7,46 @@ needs is derived once here: depths (position offsets), the packed ancestor mask,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdec.kernels import pack_mask, tree_depth
 
 
-@dataclass
+@dataclass(eq=False)
 class DraftTree:
     """A batch of draft trees.
 
     tokens: ``[B,T] int64``; parents: ``[B,T] int64`` (-1 at the root); valid: ``[B,T] bool``;
-    depth: ``[B,T] int64``; mask: ``[B,T,ceil(T/32)] int32`` packed ancestor mask (self included),
-    or None when every row is a chain (causal); draft_probs: ``[B,T,V]`` float proposal
-    distributions (None for deterministic drafts; the root's row is unused).
+    depth: ``[B,T] int64``; is_chain: every row is a chain (attention is causal, no mask);
+    draft_probs: ``[B,T,V]`` float proposal distributions (None for deterministic drafts; the root's
+    row is unused). :attr:`mask` is derived on first use.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     valid: torch.Tensor
     depth: torch.Tensor
-    mask: torch.Tensor | None
+    is_chain: bool
     draft_probs: torch.Tensor | None = None
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """``[B,T,ceil(T/32)] int32`` packed ancestor mask (self included), None for chains (causal).
+
+        Built when first read, so a tree that is only pruned (:meth:`select`) never pays for it."""
+        if self.is_chain:
+            return None
+        if self._mask is None:
+            self._mask = ancestor_mask(self.parents, self.valid)
+        return self._mask
 
     @property
     def size(self) -> int:
         """Number of node slots T (including padding)."""
         return self.tokens.shape[1]
-
-    @property
-    def is_chain(self) -> bool:
-        return self.mask is None
 
     @property
     def num_drafted(self) -> torch.Tensor:
@@ -65,20 +73,24 @@ class DraftTree:
         probs = None
         if draft_probs is not None:
             probs = torch.cat([torch.zeros_like(draft_probs[:, :1]), draft_probs], dim=1)
-        return cls(tokens, parents, valid, depth, None, probs)
+        return cls(tokens, parents, valid, depth, True, probs)
 
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | None = None,
-                     draft_probs: torch.Tensor | None = None) -> "DraftTree":
-        """A general tree. tokens, parents: ``[B,T] int64`` (parents[:,0] = -1, parents[i] < i)."""
+                     draft_probs: torch.Tensor | None = None, check: bool = True) -> "DraftTree":
+        """A general tree. tokens, parents: ``[B,T] int64`` (parents[:,0] = -1, parents[i] < i).
+
+        ``check=False`` skips validating ``parents`` (for trees built here, correct by construction)."""
         b, t = tokens.shape
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=tokens.device)
+        if not check:
+            return cls(tokens, parents, valid, tree_depth(parents), False, draft_probs)
         if bool((parents[:, 0] != -1).any()):
             raise ValueError("node 0 is the root: parents[:, 0] must be -1")
         if t > 1 and bool(((parents[:, 1:] < 0) | (parents[:, 1:] >= torch.arange(1, t, device=tokens.device))).any()):
             raise ValueError("every non-root node needs a parent that precedes it")
-        return cls(tokens, parents, valid, tree_depth(parents), ancestor_mask(parents, valid), draft_probs)
+        return cls(tokens, parents, valid, tree_depth(parents), False, draft_probs)
 
     @classmethod
     def from_chains(cls, root: torch.Tensor, chains: list[list[list[int]]]) -> "DraftTree":
@@ -162,7 +174,7 @@ class DraftTree:
         parents[:, 0] = -1
         chain[:, 0] = -1
         node_valid[:, 0] = True
-        return cls.from_parents(tokens, parents, node_valid), chain
+        return cls.from_parents(tokens, parents, node_valid, check=False), chain
 
     def select(self, keep: torch.Tensor) -> tuple["DraftTree", torch.Tensor]:
         """The subtree of the nodes in ``keep`` ``[B,T] bool`` (closed under parents; the root is always kept).
@@ -186,7 +198,7 @@ class DraftTree:
         probs = None
         if self.draft_probs is not None:
             probs = self.draft_probs.gather(1, old[:, :, None].expand(-1, -1, self.draft_probs.shape[-1]))
-        return DraftTree.from_parents(tokens, parents, valid, probs), old
+        return DraftTree.from_parents(tokens, parents, valid, probs, check=False), old
 
     def positions(self, cache_lens: torch.Tensor) -> torch.Tensor:
         """Absolute positions ``[B,T]`` of the nodes, given committed lengths ``[B]``."""

@@ -18,6 +18,13 @@ def test_step_cost_interpolates_and_learns():
         StepCost({2: 1.0})
 
 
+@pytest.mark.parametrize("table", [{1: 1.0}, {1: 1.0, 3: 2.0}, {1: 0.5, 2: 0.4, 4: 0.9, 8: 1.0, 11: 3.0}])
+def test_step_cost_costs_equal_pointwise_calls(table):
+    cost = StepCost(table)
+    assert cost.costs(14) == pytest.approx([cost(t) for t in range(1, 15)], abs=1e-12)
+    assert cost.costs(0) == []
+
+
 def test_acceptance_model_is_censoring_aware():
     acc = AcceptanceModel(prior_weight=1e-6)
     for _ in range(100):

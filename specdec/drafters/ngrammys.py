@@ -138,7 +138,7 @@ class NGrammysDrafter(Drafter):
         p[:, 0] = 2.0  # the root first
         order = torch.sort(p - tree.depth * 1e-6, dim=-1, descending=True, stable=True)
         gain = order.values.clamp(max=1.0).cumsum(-1)  # [B,T]: 1 + expected accepted with n+1 nodes
-        cost = torch.tensor([self.cost(n) for n in range(1, tree.size + 1)], device=p.device)
+        cost = torch.tensor(self.cost.costs(tree.size), device=p.device)
         best = (gain / cost).argmax(-1)  # [B]: index of the last kept node in the order
         keep_sorted = torch.arange(tree.size, device=p.device)[None] <= best[:, None]
         keep = torch.zeros_like(keep_sorted).scatter_(1, order.indices, keep_sorted)
