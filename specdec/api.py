@@ -169,7 +169,7 @@ class SpecDecoder:
             adaptive = {}
             if schedule == "cost":
                 key = tuple(sorted(opts.items()))
-                self._node_acceptance.setdefault(key, NodeAcceptance(opts["k"], opts["w"]))
+                self._node_acceptance.setdefault(key, NodeAcceptance(opts["k"], opts["w"], opts["q"], opts["n_max"]))
                 adaptive = {"cost": self.step_cost(), "acceptance": self._node_acceptance[key]}
             drafter = NGrammysDrafter(tables, **opts, **adaptive)
             k = drafter.w

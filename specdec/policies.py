@@ -40,11 +40,20 @@ class StepCost:
 
     SIZES = (1, 2, 3, 4, 5, 6, 8, 11, 16)
 
-    def __init__(self, table: dict[int, float]):
+    def __init__(self, table: dict[int, float], explore_every: int = 16):
         if not table or 1 not in table:
             raise ValueError("a step-cost table needs at least T = 1")
         self.sizes = sorted(table)
         self.table = dict(table)
+        self.explore_every = explore_every
+        self._plans = 0
+
+    def explore(self) -> bool:
+        """True once every ``explore_every`` calls: the planner asking then verifies one node more than
+        its optimum. ``observe`` corrects only the sizes that run, so without this a calibration that
+        overrated larger sizes (taken during a busy moment) would keep the planner off them for good."""
+        self._plans += 1
+        return self.explore_every > 0 and self._plans % self.explore_every == 0
 
     def observe(self, t: int, seconds: float, weight: float = 0.2) -> None:
         """Fold one measured forward over ``t`` tokens into the table (exponential average), so a
@@ -98,16 +107,15 @@ class StepCost:
         ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=g).to(runner.device)
         runner.reset(1, ids.shape[1] + 1)
         runner.prefill(ids[:, :context], torch.tensor([context], device=runner.device))
-        table = {}
-        for t in sizes:
-            tree = DraftTree.chain(ids[:, context], ids[:, context + 1: context + t])
-            runner.forward_tree(tree)  # warm-up for this shape
-            best = float("inf")
-            for _ in range(repeats):
+        trees = {t: DraftTree.chain(ids[:, context], ids[:, context + 1: context + t]) for t in sizes}
+        for tree in trees.values():
+            runner.forward_tree(tree)  # warm-up for each shape
+        table = {t: float("inf") for t in sizes}
+        for _ in range(repeats):  # rounds over all sizes: a busy moment skews every size alike, not the last few
+            for t, tree in trees.items():
                 t0 = time.perf_counter()
                 runner.forward_tree(tree)
-                best = min(best, time.perf_counter() - t0)
-            table[t] = best
+                table[t] = min(table[t], time.perf_counter() - t0)
         return cls(table)
 
 

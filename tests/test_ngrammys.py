@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec import ngram_tables
 from specdec.api import SpecDecoder, hf_generate
 from specdec.ngram_tables import bigram_topk, extend_bigram, load_tables, unigram_ranking, weights_key
+from specdec.policies import StepCost
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig
 from tests.conftest import tiny_model
@@ -53,6 +54,16 @@ def test_context_drafts_put_the_longest_match_first_by_hand():
     drafts, n, n_long = NGrammysDrafter(None, k=4, w=3, strategy="context").context_drafts(state, 3)
     assert drafts[0].tolist() == [[7, 9, 5], [7, 8, 5], [-1] * 3, [-1] * 3]  # the repeat of 7 9 5 is dropped
     assert n.tolist() == [2] and n_long.tolist() == [1]
+    drafter = NGrammysDrafter(None, k=4, w=3, strategy="context", cost=StepCost({1: 1.0, 16: 1.0}))
+    drafter.propose(state, 3)  # nearly free verification: every node is kept
+    source = (drafter._slot // (4 * 3)).tolist()[0]
+    # root, 7 9 5 (a 4-token suffix match: source 2 + 4 - 1 - 1), 7 8 5 (a q-match, source 1; 7 is shared)
+    assert source[1:] == [4, 4, 4, 1, 1]
+    # Verification cost that doubles per node keeps only the root, but an exploring plan keeps one node more.
+    steep = {1: 1.0, 2: 2.0, 3: 4.0, 4: 8.0, 5: 16.0, 6: 32.0}
+    for every, size in ((0, 1), (1, 2)):
+        tree = NGrammysDrafter(None, k=4, w=3, strategy="context", cost=StepCost(steep, explore_every=every)).propose(state, 3)
+        assert tree.size == size and tree.tokens[0, 1:].tolist() == [7][: size - 1]
     drafts, n, n_long = NGrammysDrafter(None, k=4, w=3, n_max=1, strategy="context").context_drafts(state, 3)
     assert drafts[0].tolist() == [[7, 8, 5], [7, 9, 5], [-1] * 3, [-1] * 3]  # q-matches alone, by count
     assert n.tolist() == [2] and n_long.tolist() == [0]

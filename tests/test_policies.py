@@ -25,6 +25,12 @@ def test_step_cost_costs_equal_pointwise_calls(table):
     assert cost.costs(0) == []
 
 
+def test_step_cost_explores_once_every_n_plans():
+    cost = StepCost({1: 1.0}, explore_every=3)
+    assert [cost.explore() for _ in range(7)] == [False, False, True, False, False, True, False]
+    assert not any(StepCost({1: 1.0}, explore_every=0).explore() for _ in range(5))
+
+
 def test_acceptance_model_is_censoring_aware():
     acc = AcceptanceModel(prior_weight=1e-6)
     for _ in range(100):

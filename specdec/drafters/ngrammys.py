@@ -51,17 +51,19 @@ class NGrammysDrafter(Drafter):
         self.tables, self.k, self.w, self.q, self.n_max = tables, k, w, q, n_max
         self.strategy, self.verify = strategy, verify
         self.cost = cost
-        self.acceptance = acceptance if acceptance is not None else (NodeAcceptance(k, w) if cost else None)
+        self.acceptance = acceptance if acceptance is not None else (NodeAcceptance(k, w, q, n_max) if cost else None)
         self._slot: torch.Tensor | None = None  # [B,T] (source, rank, depth) cell of each node
         self._chain_of_node: torch.Tensor | None = None
         self._n_ctx: torch.Tensor | None = None
         self._n_long: torch.Tensor | None = None
+        self._match_n: torch.Tensor | None = None
         self.allocation = {"steps": 0, "context_slots": 0, "bigram_slots": 0,
                            "context_accepted": 0, "bigram_accepted": 0}
 
     def context_drafts(self, state: DecodeState, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[B,k,w]`` context drafts (-1 padded, best first), ``[B]`` how many there are, and ``[B]`` how
-        many of them (the first) continue the longest matching suffix."""
+        many of them (the first) continue the longest matching suffix. The length of that suffix
+        (``q + 1 .. n_max``, 0 without one) is kept in ``self._match_n`` ``[B]``."""
         k = self.k
         width = max(state.seq_lens_host)
         seq = state.seq[:, :width]
@@ -69,8 +71,9 @@ class NGrammysDrafter(Drafter):
         found = counts > 0
         if self.n_max <= self.q:
             n = found.sum(-1)
+            self._match_n = torch.zeros_like(n)
             return ctx, n, torch.zeros_like(n)
-        long, _, long_counts, _ = kernels.ngram_match(seq, state.seq_lens, self.q + 1, self.n_max, k, w)
+        long, _, long_counts, self._match_n = kernels.ngram_match(seq, state.seq_lens, self.q + 1, self.n_max, k, w)
         long_found = long_counts > 0
         # A q-match continuation equal to a longer match's is a repeat: drop it.
         repeat = ((ctx[:, :, None, :] == long[:, None, :, :]).all(-1) & long_found[:, None, :]).any(-1)
@@ -89,7 +92,7 @@ class NGrammysDrafter(Drafter):
         k = self.k
         if self.strategy == "bigram":
             n_ctx = torch.zeros(b, dtype=torch.int64, device=dev)
-            self._n_long = n_ctx
+            self._n_long = self._match_n = n_ctx
             ctx = torch.full((b, k, w), -1, dtype=torch.int64, device=dev)
         else:
             ctx, n_ctx, self._n_long = self.context_drafts(state, w)
@@ -119,14 +122,17 @@ class NGrammysDrafter(Drafter):
         """Keep, per row, the nodes most likely to be accepted, as many as pay for their cost.
 
         A node's acceptance estimate comes from its cell (source, rank among that source's drafts,
-        depth), capped by its parent's (a child is never likelier than its parent). Taking nodes in
+        depth; a longest-suffix match's source is its suffix length), capped by its parent's (a child is never likelier than its parent). Taking nodes in
         descending estimate keeps a closed subtree; the expected accepted length of ``n`` nodes is the
         sum of their estimates, so the kept count maximises ``(1 + sum) / cost(n + 1)``.
         """
         chain = self._chain_of_node
         n_long, n_ctx = self._n_long[:, None], self._n_ctx[:, None]
-        source = (chain < n_ctx).long() + (chain < n_long).long()  # 0 bigram, 1 context (q), 2 longest match
-        start = torch.where(source == 2, 0, torch.where(source == 1, n_long, n_ctx))
+        is_long = chain < n_long
+        tier = (chain < n_ctx).long() + is_long.long()  # 0 bigram, 1 context (q), 2 longest match
+        start = torch.where(tier == 2, 0, torch.where(tier == 1, n_long, n_ctx))
+        # A longest match of n tokens is source 2 + (n - q - 1): longer matches are accepted more often.
+        source = torch.where(is_long, tier + (self._match_n[:, None].long() - self.q - 1).clamp(min=0), tier)
         rank = (chain - start).clamp(0, self.k - 1)
         depth = (tree.depth - 1).clamp(0, self.w - 1)
         cell = (source * self.k + rank) * self.w + depth  # [B,T]
@@ -140,6 +146,8 @@ class NGrammysDrafter(Drafter):
         gain = order.values.clamp(max=1.0).cumsum(-1)  # [B,T]: 1 + expected accepted with n+1 nodes
         cost = torch.tensor(self.cost.costs(tree.size), device=p.device)
         best = (gain / cost).argmax(-1)  # [B]: index of the last kept node in the order
+        if self.cost.explore():
+            best = best + 1  # one node more now and then, so sizes the plan avoids are timed again
         keep_sorted = torch.arange(tree.size, device=p.device)[None] <= best[:, None]
         keep = torch.zeros_like(keep_sorted).scatter_(1, order.indices, keep_sorted)
         sub, old = tree.select(keep)
@@ -184,24 +192,25 @@ class NGrammysDrafter(Drafter):
 class NodeAcceptance:
     """How often a draft node was accepted, per cell (source, rank, depth), with a Beta prior.
 
-    Sources: 0 bigram rows, 1 matches of the last ``q`` tokens, 2 longest-suffix matches. The prior
-    expects longer matches to be accepted more often than short ones and those more than bigram rows,
-    and deeper or lower-ranked nodes less often; measured counts take over after a few steps.
+    Sources: 0 bigram rows, 1 matches of the last ``q`` tokens, ``2 + j`` longest-suffix matches of
+    ``q + 1 + j`` tokens (``j < n_max - q``). The prior expects longer matches to be accepted more often
+    than short ones and those more than bigram rows, and deeper or lower-ranked nodes less often;
+    measured counts take over after a few steps.
     """
 
-    def __init__(self, k: int, w: int, prior_weight: float = 2.0):
+    def __init__(self, k: int, w: int, q: int = 1, n_max: int = 4, prior_weight: float = 2.0):
         rank = torch.arange(k, dtype=torch.float64)[:, None]
         depth = torch.arange(w, dtype=torch.float64)[None, :]
         ctx = 0.5 * 0.8**depth / (1 + rank)
         big = 0.25 * 0.6**depth / (1 + rank)
-        long = 0.6 * 0.85**depth / (1 + rank)
-        prior = torch.stack([big, ctx, long]).reshape(-1)  # cell = (source * k + rank) * w + depth
+        longs = [min(0.9, 0.55 + 0.05 * j) * 0.85**depth / (1 + rank) for j in range(max(1, n_max - q))]
+        prior = torch.stack([big, ctx, *longs]).reshape(-1)  # cell = (source * k + rank) * w + depth
         self.accepted = prior * prior_weight
         self.proposed = torch.full_like(prior, prior_weight)
         self._rates: torch.Tensor | None = None
 
     def rates(self, device) -> torch.Tensor:
-        """``[3*k*w] float`` acceptance estimate of each cell."""
+        """``[sources*k*w] float`` acceptance estimate of each cell."""
         if self._rates is None or self._rates.device != torch.device(device):
             self._rates = (self.accepted / self.proposed).float().to(device)
         return self._rates

@@ -37,6 +37,8 @@ class PromptLookupDrafter(Drafter):
         if self.cost is not None and self.acceptance is not None:
             self._signal = match_n.tolist()
             keep = [best_length(self.acceptance, self.cost, n, w) if n > 0 else 0 for n in self._signal]
+            if self.cost.explore():  # one token more now and then, so lengths the plan avoids are timed again
+                keep = [min(w, x + 1) if n > 0 else 0 for x, n in zip(keep, self._signal)]
             cut = torch.arange(w, device=drafts.device)[None] >= torch.tensor(keep, device=drafts.device)[:, None]
             drafts = drafts.masked_fill(cut, -1)[:, : max(1, max(keep))]
         return DraftTree.chain(state.roots, drafts)
