@@ -63,7 +63,8 @@ def plot(result: dict, png: str, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--prompts", default="/work/shared/data/dev_prompts.jsonl")
+    ap.add_argument("--prompts", default="../shared/data/dev_prompts.jsonl")
+    ap.add_argument("--linear", default="auto", help="linear kernel of the target (see specdec bench --linear)")
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ks", default="1,2,4,6,10")
@@ -81,11 +82,12 @@ def main() -> None:
         from specdec.bench import bench_config, format_table, read_prompts, run_bench
         from specdec.verify import SamplingConfig
 
-        dec = SpecDecoder("smollm2", dtype=args.dtype)
+        dec = SpecDecoder("smollm2", dtype=args.dtype, linear=args.linear)
         prompts = read_prompts(args.prompts, dec, per_category=args.per_category)
         labels = grid_labels([int(x) for x in args.ks.split(",")], [int(x) for x in args.ws.split(",")], args.extra)
         result = run_bench(dec, ["hf"] + labels, prompts, args.max_new_tokens, SamplingConfig(), {},
-                           bench_config("smollm2", None, args.dtype, args.max_new_tokens, SamplingConfig()))
+                           bench_config("smollm2", None, args.dtype, args.max_new_tokens, SamplingConfig(),
+                                        args.linear))
         print(format_table(result))
         if args.json:
             with open(args.json, "w") as f:
