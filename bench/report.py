@@ -33,7 +33,20 @@ def markdown(result: dict) -> str:
                     f"| {acc} | {ident} |")
     acc = acceptance(runs, cats, [m for m in methods if s[m]["accept_rate"] is not None])
     alloc = allocation(runs, methods)
-    return "\n".join(rows + ([""] + acc if acc else []) + ([""] + alloc if alloc else []))
+    pre = prefill_share(runs, methods)
+    return "\n".join(rows + ([""] + acc if acc else []) + ([""] + alloc if alloc else []) + ([""] + pre if pre else []))
+
+
+def prefill_share(runs: list[dict], methods: list[str]) -> list[str]:
+    """For specdec's methods (which time their prefill): the prompt's share of the end-to-end time,
+    which every method pays alike and which caps any end-to-end speedup."""
+    rows = []
+    for m in methods:
+        rs = [r for r in runs if r["method"] == m and r.get("prefill_seconds") is not None]
+        if rs:
+            pre, total = sum(r["prefill_seconds"] for r in rs), sum(r["seconds"] for r in rs)
+            rows.append(f"| {m} | {pre:.1f} | {total:.1f} | {pre / total:.0%} |")
+    return ["| method | prefill s | total s | prefill share |", "|---|---|---|---|"] + rows if rows else []
 
 
 def acceptance(runs: list[dict], cats: list[str], methods: list[str]) -> list[str]:

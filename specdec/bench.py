@@ -130,7 +130,8 @@ def run_bench(dec: SpecDecoder, methods: list[str], prompts: list[Prompt], max_n
             seconds = time.perf_counter() - t0
             run = {
                 "method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(tokens),
-                "seconds": seconds, "target_calls": target_calls.take(), "draft_calls": draft_calls.take(),
+                "seconds": seconds, "prefill_seconds": stats.prefill_s if stats else None,
+                "target_calls": target_calls.take(), "draft_calls": draft_calls.take(),
                 "drafted_tokens": stats.drafted_tokens if stats else None,
                 "accepted_tokens": stats.accepted_tokens if stats else None,
                 "drafter": stats.drafter if stats and stats.drafter else None,

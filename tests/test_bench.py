@@ -24,6 +24,13 @@ def test_run_bench_all_methods_identical_and_counted():
         assert runs[("ar", p.id)]["draft_calls"] == 0
     assert s["sd"]["accept_rate"] is not None and s["hf-assisted"]["accept_rate"] is None
     assert "hf-assisted" in format_table(res)
+    for r in res["runs"]:  # specdec's methods time their prefill, inside the run's time
+        assert (r["prefill_seconds"] is None) == r["method"].startswith("hf")
+        assert r["prefill_seconds"] is None or 0 < r["prefill_seconds"] < r["seconds"]
+    from bench.report import markdown
+
+    table = markdown(res)
+    assert "| cat |" in table and "| overall |" in table and "| pld |" in table and "prefill share" in table
 
 
 def test_run_bench_rejects_unknown_or_draftless_methods():
