@@ -20,7 +20,7 @@ from specdec.verify import SamplingConfig
 METHODS = ("ar", "sd", "pld", "ngrammys")
 NEEDS_DRAFT = {"sd"}
 SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic"), "ngrammys": ("cost", "static")}
-NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "n_max": 4, "strategy": "mixed", "verify": "tree", "adapt": 8}
+NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "n_max": 4, "strategy": "mixed", "verify": "tree"}
 
 
 @dataclass
@@ -138,8 +138,7 @@ class SpecDecoder:
         ``n_max`` tokens ranked first (``n_max <= q``: off), ``strategy`` (``mixed``,
         ``context``, ``bigram``) and ``verify`` (``tree``, ``batch``, ``chain``), defaults in
         ``NGRAMMYS_DEFAULTS``; ``schedule`` ``cost`` (default: each row's tree is pruned to the nodes
-        worth their measured verification cost, by acceptance learned per source, rank and depth,
-        blended with the row's own counts in this request, worth ``adapt`` shared observations) or
+        worth their measured verification cost, by acceptance learned per source, rank and depth) or
         ``static`` (all k x w drafts, as in the paper)."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")

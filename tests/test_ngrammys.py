@@ -69,33 +69,9 @@ def test_context_drafts_put_the_longest_match_first_by_hand():
     assert n.tolist() == [2] and n_long.tolist() == [0]
 
 
-def test_pruning_adapts_to_each_rows_own_acceptance():
-    """Two rows with the same drafts: one whose drafts are always accepted, one whose never are.
-    The shared estimate pools both; each row's own counts then deepen one tree and empty the other."""
-    from specdec.drafters.base import DecodeState
-    from specdec.drafters.ngrammys import NGrammysDrafter
-
-    seq = torch.tensor([REPETITIVE, REPETITIVE])
-    state = DecodeState(seq, torch.tensor([len(REPETITIVE)] * 2), [len(REPETITIVE)] * 2)
-    cost = StepCost({t: 1.0 + 0.15 * (t - 1) for t in range(1, 8)}, explore_every=0)
-    sizes = {}
-    for adapt in (0, 8):
-        drafter = NGrammysDrafter(None, k=4, w=3, strategy="context", adapt=adapt, cost=cost)
-        for _ in range(30):
-            tree = drafter.propose(state, 3)
-            on_first = (drafter._chain_of_node[0] == 0).nonzero().squeeze(1)  # row 0 accepts its first draft
-            path = torch.zeros(2, tree.size, dtype=torch.int64)
-            path[0, 1: 1 + on_first.numel()] = on_first
-            n0 = 1 + on_first.numel()
-            drafter.update(state, tree, path, [n0, 1], tree.num_drafted.tolist())
-        sizes[adapt] = drafter.propose(state, 3).valid.sum(-1).tolist()
-    assert sizes[0][0] == sizes[0][1] > 1  # the shared estimate treats both rows alike
-    assert sizes[8] == [4, 1]  # row 0 keeps its whole 3-token draft, row 1 drafts nothing
-
-
 def test_ngrammys_options_are_checked():
     dec = SpecDecoder(tiny_model("llama"))
-    for bad in ({"k": 0}, {"strategy": "unigram"}, {"verify": "dense"}, {"kk": 3}, {"k": 64}, {"adapt": -1}):
+    for bad in ({"k": 0}, {"strategy": "unigram"}, {"verify": "dense"}, {"kk": 3}, {"k": 64}):
         with pytest.raises(ValueError):
             dec.generate_ids([[3, 4]], "ngrammys", 4, GREEDY, **bad)
 

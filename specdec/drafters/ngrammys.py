@@ -30,19 +30,16 @@ class NGrammysDrafter(Drafter):
     longest-suffix matches of up to ``n_max`` tokens ranked first (``n_max <= q`` turns that tier off).
 
     ``strategy``: ``mixed`` (context first, bigram fills the rest), ``context`` or ``bigram`` only.
-    ``adapt``: with a cost model, each row's acceptance estimate of a cell blends the estimate learned
-    across requests (worth ``adapt`` observations) with that row's own counts in this request, so a
-    repetitive reply earns deeper trees than the average one (0: the shared estimate only).
     ``allocation`` counts, over all steps and rows, the slots each source filled and the accepted
     tokens each source's chains produced (a node shared by both sources counts for the lower slot,
     i.e. the context).
     """
 
     def __init__(self, tables: NGramTables | None, k: int = 10, w: int = 10, q: int = 1, n_max: int = 4,
-                 strategy: str = "mixed", verify: str = "tree", adapt: int = 8, cost: StepCost | None = None,
+                 strategy: str = "mixed", verify: str = "tree", cost: StepCost | None = None,
                  acceptance: "NodeAcceptance | None" = None):
-        if k < 1 or w < 1 or q < 1 or adapt < 0:
-            raise ValueError(f"need k, w, q >= 1 and adapt >= 0, got k={k}, w={w}, q={q}, adapt={adapt}")
+        if k < 1 or w < 1 or q < 1:
+            raise ValueError(f"need k, w, q >= 1, got k={k}, w={w}, q={q}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if verify not in VERIFY_MODES:
@@ -52,8 +49,7 @@ class NGrammysDrafter(Drafter):
         if strategy != "context" and k > tables.bigram.shape[1]:
             raise ValueError(f"k={k} exceeds the bigram table's width {tables.bigram.shape[1]}")
         self.tables, self.k, self.w, self.q, self.n_max = tables, k, w, q, n_max
-        self.strategy, self.verify, self.adapt = strategy, verify, adapt
-        self._local: torch.Tensor | None = None  # [2,B,cells]: this request's (proposed, accepted) per row
+        self.strategy, self.verify = strategy, verify
         self.cost = cost
         self.acceptance = acceptance if acceptance is not None else (NodeAcceptance(k, w, q, n_max) if cost else None)
         self._slot: torch.Tensor | None = None  # [B,T] (source, rank, depth) cell of each node
@@ -140,15 +136,7 @@ class NGrammysDrafter(Drafter):
         rank = (chain - start).clamp(0, self.k - 1)
         depth = (tree.depth - 1).clamp(0, self.w - 1)
         cell = (source * self.k + rank) * self.w + depth  # [B,T]
-        shared = self.acceptance.rates(tree.tokens.device)  # [cells]
-        if self.adapt:
-            if self._local is None:
-                self._local = torch.zeros(2, cell.shape[0], shared.shape[0], device=shared.device)
-            proposed, accepted = self._local
-            rates = (self.adapt * shared + accepted) / (self.adapt + proposed)  # [B,cells]
-            p = rates.gather(1, cell)
-        else:
-            p = shared.gather(0, cell.reshape(-1)).reshape(cell.shape)
+        p = self.acceptance.rates(tree.tokens.device).gather(0, cell.reshape(-1)).reshape(cell.shape)
         p = torch.where(tree.valid, p, 0.0)
         p[:, 0] = 1.0
         for _ in range(int(tree.depth.max())):  # cap by the parent, level by level
@@ -182,9 +170,6 @@ class NGrammysDrafter(Drafter):
             live = tree.valid & (lens[:, None] > 0)
             live[:, 0] = False
             self.acceptance.update(self._slot[live], on_path[live])
-            if self._local is not None:
-                self._local[0].scatter_add_(1, self._slot, live.float())
-                self._local[1].scatter_add_(1, self._slot, (live & on_path).float())
             self._slot = None
         last = path.gather(1, (torch.tensor(path_len, device=path.device) - 1).clamp(min=0)[:, None]).squeeze(1)
         chain = self._chain_of_node.gather(1, last[:, None]).squeeze(1)
