@@ -1,6 +1,7 @@
 """transformers' own ``generate`` (``hf``) with torch's linear layers against specdec's skinny kernel.
 
     OMP_NUM_THREADS=1 python -m bench.linear_ab --dtype bf16 --per-category 2 --json out.json
+    python -m bench.linear_ab --dtype bf16 --max-new-tokens 1 ...   # prefill alone
 
 One process, one model loaded once and copied; the two copies decode the same prompts in alternating
 order, so the ratio is side by side. This is the absolute reference for ``specdec bench --linear skinny``,
@@ -48,7 +49,7 @@ def main() -> None:
         same += outs["torch"] == outs["skinny"]
     tps = {name: tokens[name] / seconds[name] for name in models}
     result = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens, "tokens_per_second": tps,
+              "max_new_tokens": args.max_new_tokens, "tokens_per_second": tps, "seconds": seconds,
               "skinny_over_torch": tps["skinny"] / tps["torch"], "identical_outputs": same}
     print(f"hf tok/s: torch {tps['torch']:.1f}, skinny {tps['skinny']:.1f} "
           f"({result['skinny_over_torch']:.2f}x); identical outputs {same}/{len(prompts)}")
