@@ -88,7 +88,7 @@ class SpecDecoder:
         self._step_cost: StepCost | None = None
         self._pld_acceptance = AcceptanceModel()  # learned across calls: one model, one workload
         self._ngram_tables: NGramTables | None = None
-        self._node_acceptance: dict = {}  # ngrammys: per (k, w, q, strategy, verify), learned across calls
+        self._node_acceptance: dict = {}  # ngrammys: per option set (k, w, q, n_max, ...), learned across calls
 
     def get_draft(self, name: str | None = None) -> tuple[PreTrainedModel, ModelRunner]:
         """The draft model and its runner: the default one, or the one loaded as ``name``."""

@@ -134,7 +134,7 @@ def speculative_generate(
     while not all(out.done):
         td = time.perf_counter()
         k = min(policy.length(), out.remaining() - 1)
-        tree = drafter.propose(state, k)
+        tree = drafter.propose(state, k).build_mask()
         stats.draft_s += time.perf_counter() - td
 
         ts = time.perf_counter()

@@ -7,7 +7,7 @@ cannot gain. :func:`specdec.kernels.skinny_linear` streams the weights once for 
 batch-invariant (a row's result does not depend on which other rows share the call), so verifying T
 tokens agrees bit for bit with one-token decoding through every linear layer.
 
-Prefill has the opposite problem: a bf16/fp16 product over many rows on such a CPU is 4-6x slower
+Prefill has the opposite problem: a bf16/fp16 product over many rows on such a CPU is 3-6x slower
 than widening the weights to fp32 and calling the fp32 GEMM, so those calls are widened (where the
 CPU has native bf16 matrix instructions, torch's own kernel is kept).
 
@@ -36,20 +36,26 @@ def _op():
     return ops.skinny_linear.default
 
 
+_HALF_GEMM_FEATURES = {
+    torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+    torch.float16: ("_is_amx_fp16_supported",),
+}
+
+
 @functools.lru_cache(maxsize=None)
-def cpu_has_half_gemm() -> bool:
-    """Whether this CPU has bf16/fp16 matrix instructions (AVX-512 BF16 or AMX), for which torch's
-    half-precision GEMM is fast; without them it is a slow fallback."""
+def cpu_has_half_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU has matrix instructions for ``dtype`` (bf16: AVX-512 BF16 or AMX; fp16: AMX-FP16),
+    for which torch's half-precision GEMM is fast; without them it is a slow fallback."""
     cpu = torch.cpu
-    return any(getattr(cpu, name, lambda: False)() for name in
-               ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"))
+    return any(getattr(cpu, name, lambda: False)() for name in _HALF_GEMM_FEATURES.get(dtype, ()))
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x . W^T + b`` for half-precision CPU tensors through the fp32 GEMM, rounded back to ``x``'s dtype.
 
     x: ``[..., K]``; weight: ``[N,K]``; bias: ``[N]`` or None -> ``[..., N]``. Widening costs one pass
-    over the weights, repaid from a few dozen rows on: use it for prefill, not for decoding.
+    over the weights, repaid from a few dozen rows on: :class:`SkinnyLinear` uses it for every call over
+    ``max_rows`` rows (a prompt, or a verification wider than ``max_rows`` tokens).
     """
     out = nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return out.to(x.dtype)
@@ -57,13 +63,15 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def default_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which the skinny kernel is used on CPU. Measured on an AVX2 CPU: torch's fp32 GEMM
-    catches up at about 16 rows; its bf16 GEMM, without native bf16 instructions, is 4x slower at 16 rows
-    and scales linearly beyond. fp16 was not measured and shares bf16's limit."""
+    catches up at about 16 rows. For bf16 the kernel beats torch's bf16 fallback at any size and the
+    widened fp32 GEMM (:func:`widened_linear`) up to about 64 rows (2.7 ms for a [1536, 576] product over
+    64 rows, 2 threads, against about 2.5 ms for the skinny kernel). fp16 was not measured and shares bf16's limit."""
     return 16 if dtype == torch.float32 else 64
 
 
 class SkinnyLinear(nn.Linear):
-    """``nn.Linear`` whose CPU products over at most ``max_rows`` rows use :func:`specdec.kernels.skinny_linear`."""
+    """``nn.Linear`` whose CPU products over at most ``max_rows`` rows use :func:`specdec.kernels.skinny_linear`;
+    with ``widen``, half-precision CPU products over more rows use :func:`widened_linear`."""
 
     max_rows: int = 16
     widen: bool = False
@@ -78,7 +86,7 @@ class SkinnyLinear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new.max_rows = max_rows
-        new.widen = (not cpu_has_half_gemm()) if widen is None else widen
+        new.widen = (not cpu_has_half_gemm(linear.weight.dtype)) if widen is None else widen
         new.train(linear.training)
         return new
 
@@ -92,7 +100,7 @@ class SkinnyLinear(nn.Linear):
             shape = x.shape[:-1] + (self.out_features,)
             return _op()(x.reshape(-1, k), self.weight, self.bias).view(shape)
         if (self.widen and x.is_cpu and x.dtype == self.weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-                and not torch.is_grad_enabled()):
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return widened_linear(x, self.weight, self.bias)
         return super().forward(x)
 

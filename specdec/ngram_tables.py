@@ -101,10 +101,6 @@ class NGramTables:
     unigram: torch.Tensor
     _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def extended(self, w: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """``[V, k_max, w] int64`` extended-bigram table on ``device``."""
-        return extend_bigram(self.bigram, w).to(device)
-
     def bigram_on(self, device: torch.device | str) -> torch.Tensor:
         """``bigram`` on ``device`` (copied once per device and kept)."""
         device = torch.device(device)

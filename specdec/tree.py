@@ -43,6 +43,12 @@ class DraftTree:
             self._mask = ancestor_mask(self.parents, self.valid)
         return self._mask
 
+    def build_mask(self) -> "DraftTree":
+        """Build :attr:`mask` now (the decode loop does this while it times drafting, so the cost is
+        counted as the drafter's, not as the target's step). Returns self."""
+        _ = self.mask
+        return self
+
     @property
     def size(self) -> int:
         """Number of node slots T (including padding)."""

@@ -59,6 +59,11 @@ def test_context_drafts_put_the_longest_match_first_by_hand():
     source = (drafter._slot // (4 * 3)).tolist()[0]
     # root, 7 9 5 (a 4-token suffix match: source 2 + 4 - 1 - 1), 7 8 5 (a q-match, source 1; 7 is shared)
     assert source[1:] == [4, 4, 4, 1, 1]
+    short = [3, 4, 9, 3, 4]  # the longest earlier match is the 2 tokens 3 4 (source 2), the q-match 4 gives 9
+    st = DecodeState(torch.tensor([short]), torch.tensor([5]), [5])
+    drafter = NGrammysDrafter(None, k=2, w=2, strategy="context", cost=StepCost({1: 1.0, 16: 1.0}))
+    tree = drafter.propose(st, 2)
+    assert tree.tokens[0, 1:].tolist() == [9, 3] and (drafter._slot // (2 * 2)).tolist()[0][1:] == [2, 2]
     # Verification cost that doubles per node keeps only the root, but an exploring plan keeps one node more.
     steep = {1: 1.0, 2: 2.0, 3: 4.0, 4: 8.0, 5: 16.0, 6: 32.0}
     for every, size in ((0, 1), (1, 2)):
@@ -70,6 +75,10 @@ def test_context_drafts_put_the_longest_match_first_by_hand():
 
 
 def test_ngrammys_options_are_checked():
+    from specdec.drafters.ngrammys import NGrammysDrafter, NodeAcceptance
+
+    with pytest.raises(ValueError, match="acceptance table"):  # a table learned for other options
+        NGrammysDrafter(None, k=4, w=3, n_max=6, strategy="context", cost=StepCost({1: 1.0}), acceptance=NodeAcceptance(4, 3))
     dec = SpecDecoder(tiny_model("llama"))
     for bad in ({"k": 0}, {"strategy": "unigram"}, {"verify": "dense"}, {"kk": 3}, {"k": 64}):
         with pytest.raises(ValueError):
@@ -152,6 +161,16 @@ def test_from_drafts_builds_trie_and_forest(b, k, w, vocab, seed):
         assert trie.parents[r, :m].tolist() == ref.parents[r, :m].tolist()
     forest, chain_of = DraftTree.from_drafts(root, drafts, merge=False)
     assert torch.equal(forest.valid.sum(-1), 1 + cut.sum(-1))
+    for tree in (trie, forest):  # built without validation: a checked rebuild agrees, mask included
+        checked = DraftTree.from_parents(tree.tokens, tree.parents, tree.valid)
+        assert torch.equal(checked.mask, tree.mask) and torch.equal(checked.depth, tree.depth)
+        keep = torch.rand(tree.valid.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+        for _ in range(tree.size):  # close under parents: a node is kept only with its parent
+            keep &= keep.gather(1, tree.parents.clamp(min=0)) | (tree.parents < 0)
+        sub, old = tree.select(keep)
+        ref = DraftTree.from_parents(sub.tokens, sub.parents, sub.valid)
+        assert torch.equal(ref.mask, sub.mask) and torch.equal(sub.valid.sum(-1), (keep & tree.valid).sum(-1).clamp(min=1))
+        assert torch.equal(sub.tokens, tree.tokens.gather(1, old))
     for tree, of in ((trie, owner), (forest, chain_of)):
         for r in range(b):
             for i, c in enumerate(chains[r]):

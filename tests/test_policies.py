@@ -65,3 +65,20 @@ def test_heuristic_schedule_matches_transformers():
     assert pol.length() == 1
     with pytest.raises(ValueError):
         StaticLength(0)
+
+
+def test_prompt_lookup_explores_one_token_more():
+    import torch
+
+    from specdec.drafters.base import DecodeState
+    from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+    seq = torch.tensor([[5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 4, 10, 11, 12]])  # row 0 repeats 5 6 -> 7 8 9; row 1 never
+    state = DecodeState(seq, torch.tensor([7, 7]), [7, 7])
+    steep = {1: 1.0, 2: 10.0, 3: 100.0, 4: 1000.0}
+    lengths = {}
+    for every in (0, 1):
+        drafter = PromptLookupDrafter(3, cost=StepCost(steep, explore_every=every), acceptance=AcceptanceModel())
+        lengths[every] = drafter.propose(state, 3).num_drafted.tolist()
+    assert lengths[0] == [0, 0]  # verification too dear: nothing drafted
+    assert lengths[1] == [1, 0]  # exploring drafts one token where a match exists

@@ -9,7 +9,7 @@ from torch import nn
 
 from specdec.api import SpecDecoder, hf_generate
 from specdec.kernels import has_native, reference, skinny_linear
-from specdec.linear import SkinnyLinear, apply_linear_kernel, use_skinny_linear
+from specdec.linear import cpu_has_half_gemm, SkinnyLinear, apply_linear_kernel, use_skinny_linear
 from specdec.verify import SamplingConfig
 from tests.conftest import tiny_model
 
@@ -110,9 +110,11 @@ def test_module_routes_by_rows_and_grad():
 def test_module_widens_half_precision_prefill(dtype):
     """Half-precision products over more than max_rows rows take the fp32 GEMM when ``widen`` is set
     (one rounding at the end, so within one output ulp of torch's own kernel), and torch's kernel when not."""
+    torch.manual_seed(0)
     lin = nn.Linear(48, 20).to(dtype)
     x = torch.randn(2, 9, 48).to(dtype)
-    expect = (x.float() @ lin.weight.float().T + lin.bias.float()).to(dtype)
+    expect = nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float()).to(dtype)
+    assert SkinnyLinear.from_linear(lin, max_rows=4).widen == (not cpu_has_half_gemm(dtype))
     with torch.no_grad():
         widened = SkinnyLinear.from_linear(lin, max_rows=4, widen=True)(x)
         plain = SkinnyLinear.from_linear(lin, max_rows=4, widen=False)(x)

@@ -52,6 +52,9 @@ class NGrammysDrafter(Drafter):
         self.strategy, self.verify = strategy, verify
         self.cost = cost
         self.acceptance = acceptance if acceptance is not None else (NodeAcceptance(k, w, q, n_max) if cost else None)
+        if self.acceptance is not None and self.acceptance.proposed.numel() != NodeAcceptance.cells(k, w, q, n_max):
+            raise ValueError(f"the acceptance table does not fit k={k}, w={w}, q={q}, n_max={n_max}: "
+                             "build it with NodeAcceptance(k, w, q, n_max)")
         self._slot: torch.Tensor | None = None  # [B,T] (source, rank, depth) cell of each node
         self._chain_of_node: torch.Tensor | None = None
         self._n_ctx: torch.Tensor | None = None
@@ -122,9 +125,10 @@ class NGrammysDrafter(Drafter):
         """Keep, per row, the nodes most likely to be accepted, as many as pay for their cost.
 
         A node's acceptance estimate comes from its cell (source, rank among that source's drafts,
-        depth; a longest-suffix match's source is its suffix length), capped by its parent's (a child is never likelier than its parent). Taking nodes in
-        descending estimate keeps a closed subtree; the expected accepted length of ``n`` nodes is the
-        sum of their estimates, so the kept count maximises ``(1 + sum) / cost(n + 1)``.
+        depth; a longest-suffix match's source is its suffix length), capped by its parent's (a child is
+        never likelier than its parent). Taking nodes in descending estimate keeps a closed subtree; the
+        expected accepted length of ``n`` nodes is the sum of their estimates, so the kept count maximises
+        ``(1 + sum) / cost(n + 1)``. Every ``cost.explore()``-th plan keeps one node more.
         """
         chain = self._chain_of_node
         n_long, n_ctx = self._n_long[:, None], self._n_ctx[:, None]
@@ -198,7 +202,12 @@ class NodeAcceptance:
     measured counts take over after a few steps.
     """
 
-    def __init__(self, k: int, w: int, q: int = 1, n_max: int = 4, prior_weight: float = 2.0):
+    @staticmethod
+    def cells(k: int, w: int, q: int, n_max: int) -> int:
+        """Number of cells: ``(2 + max(1, n_max - q)) * k * w``."""
+        return (2 + max(1, n_max - q)) * k * w
+
+    def __init__(self, k: int, w: int, q: int = 1, n_max: int = 4, *, prior_weight: float = 2.0):
         rank = torch.arange(k, dtype=torch.float64)[:, None]
         depth = torch.arange(w, dtype=torch.float64)[None, :]
         ctx = 0.5 * 0.8**depth / (1 + rank)
