@@ -95,13 +95,13 @@ class SkinnyLinear(nn.Linear):
         # Called ~200 times per target step: the checks are the cheap ones, and the operator is called
         # directly (skinny_linear's argument checks cost more than the kernel at one row).
         k = self.in_features
-        if (x.is_cpu and 0 < x.numel() <= self.max_rows * k and x.dtype == self.weight.dtype and x.shape[-1] == k
+        if (x.is_cpu and x.dtype == self.weight.dtype
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            shape = x.shape[:-1] + (self.out_features,)
-            return _op()(x.reshape(-1, k), self.weight, self.bias).view(shape)
-        if (self.widen and x.is_cpu and x.dtype == self.weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            return widened_linear(x, self.weight, self.bias)
+            if 0 < x.numel() <= self.max_rows * k and x.shape[-1] == k:
+                shape = x.shape[:-1] + (self.out_features,)
+                return _op()(x.reshape(-1, k), self.weight, self.bias).view(shape)
+            if self.widen and x.dtype in (torch.bfloat16, torch.float16):
+                return widened_linear(x, self.weight, self.bias)
         return super().forward(x)
 
 

@@ -66,15 +66,8 @@ class StepCost:
             self.sizes = sorted(self.table)
 
     def __call__(self, t: int) -> float:
-        sizes = self.sizes
-        if t <= sizes[0]:
-            return self.table[sizes[0]]
-        for lo, hi in zip(sizes, sizes[1:]):
-            if t <= hi:
-                return self.table[lo] + (self.table[hi] - self.table[lo]) * (t - lo) / (hi - lo)
-        last, prev = sizes[-1], sizes[-2] if len(sizes) > 1 else sizes[-1]
-        slope = (self.table[last] - self.table[prev]) / max(1, last - prev)
-        return self.table[last] + max(0.0, slope) * (t - last)
+        """c(t): interpolated between measured sizes, extrapolated (never downwards) past the largest."""
+        return self.costs(max(1, t))[-1]
 
     def costs(self, n: int) -> list[float]:
         """``[c(1), ..., c(n)]`` in one pass over the table (what a planner scoring every tree size needs)."""

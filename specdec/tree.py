@@ -90,11 +90,9 @@ class DraftTree:
         b, t = tokens.shape
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=tokens.device)
-        if not check:
-            return cls(tokens, parents, valid, tree_depth(parents), False, draft_probs)
-        if bool((parents[:, 0] != -1).any()):
+        if check and bool((parents[:, 0] != -1).any()):
             raise ValueError("node 0 is the root: parents[:, 0] must be -1")
-        if t > 1 and bool(((parents[:, 1:] < 0) | (parents[:, 1:] >= torch.arange(1, t, device=tokens.device))).any()):
+        if check and t > 1 and bool(((parents[:, 1:] < 0) | (parents[:, 1:] >= torch.arange(1, t, device=tokens.device))).any()):
             raise ValueError("every non-root node needs a parent that precedes it")
         return cls(tokens, parents, valid, tree_depth(parents), False, draft_probs)
 

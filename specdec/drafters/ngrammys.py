@@ -52,7 +52,7 @@ class NGrammysDrafter(Drafter):
         self.strategy, self.verify = strategy, verify
         self.cost = cost
         self.acceptance = acceptance if acceptance is not None else (NodeAcceptance(k, w, q, n_max) if cost else None)
-        if self.acceptance is not None and self.acceptance.proposed.numel() != NodeAcceptance.cells(k, w, q, n_max):
+        if self.acceptance is not None and self.acceptance.proposed.numel() != NodeAcceptance.sources(q, n_max) * k * w:
             raise ValueError(f"the acceptance table does not fit k={k}, w={w}, q={q}, n_max={n_max}: "
                              "build it with NodeAcceptance(k, w, q, n_max)")
         self._slot: torch.Tensor | None = None  # [B,T] (source, rank, depth) cell of each node
@@ -203,16 +203,16 @@ class NodeAcceptance:
     """
 
     @staticmethod
-    def cells(k: int, w: int, q: int, n_max: int) -> int:
-        """Number of cells: ``(2 + max(1, n_max - q)) * k * w``."""
-        return (2 + max(1, n_max - q)) * k * w
+    def sources(q: int, n_max: int) -> int:
+        """Number of sources: bigram, q-match, and one per longest-match length (at least one)."""
+        return 2 + max(1, n_max - q)
 
     def __init__(self, k: int, w: int, q: int = 1, n_max: int = 4, *, prior_weight: float = 2.0):
         rank = torch.arange(k, dtype=torch.float64)[:, None]
         depth = torch.arange(w, dtype=torch.float64)[None, :]
         ctx = 0.5 * 0.8**depth / (1 + rank)
         big = 0.25 * 0.6**depth / (1 + rank)
-        longs = [min(0.9, 0.55 + 0.05 * j) * 0.85**depth / (1 + rank) for j in range(max(1, n_max - q))]
+        longs = [min(0.9, 0.55 + 0.05 * j) * 0.85**depth / (1 + rank) for j in range(self.sources(q, n_max) - 2)]
         prior = torch.stack([big, ctx, *longs]).reshape(-1)  # cell = (source * k + rank) * w + depth
         self.accepted = prior * prior_weight
         self.proposed = torch.full_like(prior, prior_weight)
