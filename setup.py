@@ -35,7 +35,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["specdec", "specdec.*"]) + ["specdec.triton_kernels"],
     package_dir={"specdec.triton_kernels": "kernels"},
-    package_data={"specdec": ["data/*.jsonl", "data/drafts/*/*"]},
+    package_data={"specdec": ["data/*.jsonl", "data/drafts/*/*", "data/ngram_corpus/*.pt"]},
     install_requires=["transformers>=5.0", "tqdm", "safetensors", "numpy"],
     entry_points={"console_scripts": ["specdec = specdec.cli:main"]},
     ext_modules=[extension()],

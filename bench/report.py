@@ -63,7 +63,7 @@ def acceptance(runs: list[dict], cats: list[str], methods: list[str]) -> list[st
 
 def allocation(runs: list[dict], methods: list[str]) -> list[str]:
     """N-Grammys' per-source table: draft nodes per call, share of draft slots filled from the
-    context, and accepted tokens by source (the paper's allocation ablation)."""
+    context and from the n-gram corpus, and accepted tokens by source (the paper's allocation ablation)."""
     s = summarize(runs)
     rows = []
     for m in methods:
@@ -72,11 +72,12 @@ def allocation(runs: list[dict], methods: list[str]) -> list[str]:
             continue
         rs = [r for r in runs if r["method"] == m]
         nodes = sum(r["drafted_tokens"] or 0 for r in rs) / max(1, sum(r["target_calls"] for r in rs))
-        slots = a["context_slots"] + a["bigram_slots"]
-        rows.append(f"| {m} | {nodes:.1f} | {a['context_slots'] / max(1, slots):.0%} | {a['context_accepted']} "
-                    f"| {a['bigram_accepted']} |")
-    head = ["| method | draft nodes per call | context share of slots | accepted from context | accepted from bigram |",
-            "|---|---|---|---|---|"]
+        corpus_slots, corpus_acc = a.get("corpus_slots", 0), a.get("corpus_accepted", 0)  # older runs lack them
+        slots = a["context_slots"] + corpus_slots + a["bigram_slots"]
+        rows.append(f"| {m} | {nodes:.1f} | {a['context_slots'] / max(1, slots):.0%} | {corpus_slots / max(1, slots):.0%} "
+                    f"| {a['context_accepted']} | {corpus_acc} | {a['bigram_accepted']} |")
+    head = ["| method | draft nodes per call | context share of slots | corpus share of slots | accepted from context "
+            "| accepted from corpus | accepted from bigram |", "|---|---|---|---|---|---|---|"]
     return head + rows if rows else []
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -13,6 +14,7 @@ from specdec.drafters.ngrammys import NodeAcceptance
 from specdec.distill.eagle import is_feature_draft
 from specdec.hub import DEFAULT_MODEL, load_model
 from specdec.model import ModelRunner
+from specdec.ngram_corpus import NGramCorpus, shipped_corpus
 from specdec.ngram_tables import NGramTables, load_tables
 from specdec.policies import AcceptanceModel, HeuristicLength, StaticLength, StepCost
 from specdec.verify import SamplingConfig
@@ -20,7 +22,8 @@ from specdec.verify import SamplingConfig
 METHODS = ("ar", "sd", "pld", "ngrammys")
 NEEDS_DRAFT = {"sd"}
 SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic"), "ngrammys": ("cost", "static")}
-NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "n_max": 4, "strategy": "mixed", "verify": "tree"}
+NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "n_max": 4, "strategy": "mixed", "verify": "tree", "c": None}
+NGRAMMYS_CORPUS_SLOTS = 2  # ngrammys' default ``c`` where an n-gram corpus fits the model
 
 
 @dataclass
@@ -54,7 +57,9 @@ class SpecDecoder:
     """A target model (and optional draft) ready for speculative generation.
 
     ``model``/``draft``: a name (``smollm2``, ``gemma3-270m``), a local folder, or a loaded
-    ``PreTrainedModel`` (then pass ``tokenizer`` to work with text). ``draft`` may be a list: the first
+    ``PreTrainedModel`` (then pass ``tokenizer`` to work with text). ``corpus``: the n-gram corpus ngrammys
+    drafts from besides the context (:mod:`specdec.ngram_corpus`): ``auto`` (a shipped one built for this
+    tokenizer's vocabulary, if any), None, a file written by ``specdec ngram-corpus``, or an ``NGramCorpus``. ``draft`` may be a list: the first
     is the default, ``sd``'s ``draft=NAME`` option picks another (loaded ones are ``draft0``, ...). ``linear``: kernel of the linear
     layers of models loaded by name (``auto``, ``skinny``, ``torch``; see :mod:`specdec.linear`); a
     loaded model is used as given.
@@ -62,7 +67,8 @@ class SpecDecoder:
 
     def __init__(self, model: str | PreTrainedModel = DEFAULT_MODEL,
                  draft: str | PreTrainedModel | list | None = None,
-                 dtype: str = "fp32", tokenizer=None, device: str = "cpu", linear: str = "auto"):
+                 dtype: str = "fp32", tokenizer=None, device: str = "cpu", linear: str = "auto",
+                 corpus: "str | NGramCorpus | None" = "auto"):
         if isinstance(model, PreTrainedModel):
             self.model, self.tokenizer = model.eval(), tokenizer
         else:
@@ -88,6 +94,14 @@ class SpecDecoder:
         self._step_cost: StepCost | None = None
         self._pld_acceptance = AcceptanceModel()  # learned across calls: one model, one workload
         self._ngram_tables: NGramTables | None = None
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        if isinstance(corpus, str) and corpus == "auto":
+            corpus = shipped_corpus(self.tokenizer) if self.tokenizer is not None else None
+        elif isinstance(corpus, (str, Path)):
+            corpus = NGramCorpus.load(corpus)
+        if corpus is not None and corpus.vocab > vocab:
+            raise ValueError(f"the n-gram corpus was built for a vocabulary of {corpus.vocab} ids; the model has {vocab}")
+        self.corpus: NGramCorpus | None = corpus
         self._node_acceptance: dict = {}  # ngrammys: per option set (k, w, q, n_max, ...), learned across calls
 
     def get_draft(self, name: str | None = None) -> tuple[PreTrainedModel, ModelRunner]:
@@ -139,7 +153,8 @@ class SpecDecoder:
         ``context``, ``bigram``) and ``verify`` (``tree``, ``batch``, ``chain``), defaults in
         ``NGRAMMYS_DEFAULTS``; ``schedule`` ``cost`` (default: each row's tree is pruned to the nodes
         worth their measured verification cost, by acceptance learned per source, rank and depth) or
-        ``static`` (all k x w drafts, as in the paper)."""
+        ``static`` (all k x w drafts, as in the paper); ``c``: slots for drafts from the n-gram corpus, after
+        the longest-suffix matches (default 2 where the decoder has a corpus, else 0)."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
         if method in NEEDS_DRAFT and self.draft_runner is None:
@@ -165,13 +180,17 @@ class SpecDecoder:
             if unknown:
                 raise ValueError(f"unknown options for 'ngrammys': {sorted(unknown)}")
             opts = {**NGRAMMYS_DEFAULTS, **options}
+            if opts["c"] is None:  # a few corpus slots where the decoder has a corpus
+                with_corpus = self.corpus is not None and opts["strategy"] != "bigram"
+                opts["c"] = min(NGRAMMYS_CORPUS_SLOTS, opts["k"]) if with_corpus else 0
             tables = self.ngram_tables() if opts["strategy"] != "context" else None
             adaptive = {}
             if schedule == "cost":
                 key = tuple(sorted(opts.items()))
-                self._node_acceptance.setdefault(key, NodeAcceptance(opts["k"], opts["w"], opts["q"], opts["n_max"]))
+                self._node_acceptance.setdefault(key, NodeAcceptance(opts["k"], opts["w"], opts["q"], opts["n_max"],
+                                                                     corpus=opts["c"] > 0))
                 adaptive = {"cost": self.step_cost(), "acceptance": self._node_acceptance[key]}
-            drafter = NGrammysDrafter(tables, **opts, **adaptive)
+            drafter = NGrammysDrafter(tables, **opts, **adaptive, corpus=self.corpus)
             k = drafter.w
         else:
             k = options.pop("draft_length", 5)

@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate`` and ``specdec bench``."""
+"""Command line: ``specdec generate``, ``bench``, ``distill`` and ``ngram-corpus``."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +35,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-max", type=int, default=None,
                    help="ngrammys: longest suffix matched first (default 4; <= q turns that tier off)")
     p.add_argument("--strategy", choices=["mixed", "context", "bigram"], default=None, help="ngrammys draft sources")
+    p.add_argument("--corpus-slots", type=int, default=None,
+                   help="ngrammys: drafts from the n-gram corpus per step (default 2 with a corpus, else 0)")
+    p.add_argument("--corpus", default="auto",
+                   help="ngrammys' n-gram corpus: auto (the shipped one for the model's vocabulary), none, or a file "
+                        "written by specdec ngram-corpus")
     p.add_argument("--verify", choices=["tree", "batch", "chain"], default=None,
                    help="ngrammys verification: trie (default), k branches (the paper's batch rows), best draft only")
 
@@ -42,7 +47,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _method_options(args, method: str) -> dict:
     names = {"pld": {"num_tokens": args.num_tokens, "schedule": args.schedule},
              "sd": {"draft_length": args.draft_length, "schedule": args.schedule},
-             "ngrammys": {"k": args.k, "w": args.w, "q": args.q, "n_max": args.n_max, "strategy": args.strategy, "verify": args.verify,
+             "ngrammys": {"k": args.k, "w": args.w, "q": args.q, "n_max": args.n_max, "strategy": args.strategy, "verify": args.verify, "c": args.corpus_slots,
                           "schedule": args.schedule}}
     return {k: v for k, v in names.get(method, {}).items() if v is not None}
 
@@ -56,7 +61,8 @@ def _sampling(args):
 def cmd_generate(args) -> int:
     from specdec.api import SpecDecoder
 
-    dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype, linear=args.linear)
+    dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype, linear=args.linear,
+                      corpus=None if args.corpus == "none" else args.corpus)
     s = _sampling(args)
     out = dec.generate(args.prompt, args.method, args.max_new_tokens, chat=not args.no_chat, temperature=s.temperature,
                        top_k=s.top_k, top_p=s.top_p, seed=s.seed, **_method_options(args, args.method))
@@ -75,7 +81,8 @@ def cmd_bench(args) -> int:
     from specdec.api import SpecDecoder
     from specdec.bench import bench_config, format_table, read_prompts, run_bench
 
-    dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype, linear=args.linear)
+    dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype, linear=args.linear,
+                      corpus=None if args.corpus == "none" else args.corpus)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     prompts = read_prompts(args.prompts, dec, args.limit, args.per_category)
     s = _sampling(args)
@@ -135,6 +142,23 @@ def cmd_distill(args) -> int:
     return 0
 
 
+def cmd_ngram_corpus(args) -> int:
+    from specdec.api import SpecDecoder
+    from specdec.bench import read_prompts
+    from specdec.ngram_corpus import generate_corpus
+    from specdec.ngram_tables import weights_key
+
+    dec = SpecDecoder(args.model, dtype=args.dtype, linear=args.linear, corpus=None)
+    prompts = read_prompts(args.prompts, dec, args.limit)
+    meta = {"model": args.model, "weights_key": weights_key(dec.model), "dtype": args.dtype,
+            "prompts": str(args.prompts), "command": "specdec " + " ".join(sys.argv[1:])}
+    corpus = generate_corpus(dec, [p.ids for p in prompts], args.max_new_tokens, args.batch_size, progress=True, meta=meta)
+    corpus.save(args.out)
+    print(json.dumps({"out": args.out, "documents": len(prompts), "tokens": int((corpus.tokens >= 0).sum()),
+                      "ngrams": [k.numel() for k in corpus.keys]}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,6 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--per-category", type=int, default=None, help="first K prompts of each category, interleaved")
     b.add_argument("--json", default=None, metavar="OUT", help="write the full results here")
     b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("ngram-corpus", help="index the target's greedy replies to prompts for ngrammys' corpus drafts")
+    c.add_argument("--model", default=DEFAULT_MODEL)
+    c.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    c.add_argument("--linear", default="auto", choices=["torch", "skinny", "auto"])
+    c.add_argument("--prompts", required=True, help="JSON lines with id, category, chat, prompt (use training prompts)")
+    c.add_argument("--limit", type=int, default=None)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--out", required=True, help="file to write (specdec/data/ngram_corpus/NAME.pt ships it)")
+    c.set_defaults(func=cmd_ngram_corpus)
 
     d = sub.add_parser("distill", help="train a small draft model from the target's own generations")
     _distill_args(d)

@@ -5,7 +5,10 @@ rows of the last token (the model's own top-k next tokens, each chained with the
 :mod:`specdec.ngram_tables`). Context matches come from :func:`specdec.kernels.ngram_match` in two
 tiers: the continuations of the longest suffix of ``q + 1 .. n_max`` tokens that occurred before
 (what prompt lookup drafts; a longer match predicts better), then those of the last ``q`` tokens
-(the paper's query), each tier ranked by count then recency, with repeats dropped.
+(the paper's query), each tier ranked by count then recency, with repeats dropped. With an n-gram
+corpus (:mod:`specdec.ngram_corpus`: the target's own greedy replies to training prompts), up to ``c``
+slots after the longest-suffix matches take the corpus continuations of the longest suffix found there;
+this source is ours, not the paper's, and ``c = 0`` turns it off.
 The drafts are verified in one target pass, either as the trie they form (``verify="tree"``,
 shared prefixes verified once), as ``k`` separate branches under the root (``verify="batch"``,
 the paper's k batch rows without the k-1 copies of the root), or only the best draft
@@ -17,6 +20,7 @@ import torch
 
 from specdec import kernels
 from specdec.drafters.base import DecodeState, Drafter
+from specdec.ngram_corpus import NGramCorpus
 from specdec.ngram_tables import NGramTables, extend_bigram
 from specdec.policies import StepCost
 from specdec.tree import DraftTree
@@ -29,15 +33,15 @@ class NGrammysDrafter(Drafter):
     """``k`` drafts of up to ``w`` tokens per row; context query length ``q`` (the paper's q = 1), and
     longest-suffix matches of up to ``n_max`` tokens ranked first (``n_max <= q`` turns that tier off).
 
-    ``strategy``: ``mixed`` (context first, bigram fills the rest), ``context`` or ``bigram`` only.
+    ``strategy``: ``mixed`` (context first, bigram fills the rest), ``context`` or ``bigram`` only;
+    ``corpus`` and ``c``: up to ``c`` corpus drafts per step (not with ``bigram``).
     ``allocation`` counts, over all steps and rows, the slots each source filled and the accepted
-    tokens each source's chains produced (a node shared by both sources counts for the lower slot,
-    i.e. the context).
+    tokens each source's chains produced (a node shared by two sources counts for the lower slot).
     """
 
     def __init__(self, tables: NGramTables | None, k: int = 10, w: int = 10, q: int = 1, n_max: int = 4,
                  strategy: str = "mixed", verify: str = "tree", cost: StepCost | None = None,
-                 acceptance: "NodeAcceptance | None" = None):
+                 acceptance: "NodeAcceptance | None" = None, corpus: NGramCorpus | None = None, c: int = 0):
         if k < 1 or w < 1 or q < 1:
             raise ValueError(f"need k, w, q >= 1, got k={k}, w={w}, q={q}")
         if strategy not in STRATEGIES:
@@ -48,25 +52,33 @@ class NGrammysDrafter(Drafter):
             raise ValueError(f"strategy {strategy!r} needs the model's n-gram tables")
         if strategy != "context" and k > tables.bigram.shape[1]:
             raise ValueError(f"k={k} exceeds the bigram table's width {tables.bigram.shape[1]}")
+        if c < 0 or c > k:
+            raise ValueError(f"corpus slots c must be in [0, k={k}], got {c}")
+        if c > 0 and corpus is None:
+            raise ValueError("corpus slots (c > 0) need an n-gram corpus")
+        if c > 0 and strategy == "bigram":
+            raise ValueError("strategy 'bigram' drafts from the bigram table only: use c=0")
         self.tables, self.k, self.w, self.q, self.n_max = tables, k, w, q, n_max
         self.strategy, self.verify = strategy, verify
+        self.corpus, self.c = (corpus, c) if c > 0 else (None, 0)
         self.cost = cost
-        self.acceptance = acceptance if acceptance is not None else (NodeAcceptance(k, w, q, n_max) if cost else None)
-        if self.acceptance is not None and self.acceptance.proposed.numel() != NodeAcceptance.sources(q, n_max) * k * w:
-            raise ValueError(f"the acceptance table does not fit k={k}, w={w}, q={q}, n_max={n_max}: "
-                             "build it with NodeAcceptance(k, w, q, n_max)")
+        self.acceptance = acceptance if acceptance is not None else (
+            NodeAcceptance(k, w, q, n_max, corpus=self.c > 0) if cost else None)
+        if self.acceptance is not None and (self.acceptance.proposed.numel()
+                                            != NodeAcceptance.sources(q, n_max, self.c > 0) * k * w):
+            raise ValueError(f"the acceptance table does not fit k={k}, w={w}, q={q}, n_max={n_max}, c={c}: "
+                             "build it with NodeAcceptance(k, w, q, n_max, corpus=c > 0)")
         self._slot: torch.Tensor | None = None  # [B,T] (source, rank, depth) cell of each node
         self._chain_of_node: torch.Tensor | None = None
-        self._n_ctx: torch.Tensor | None = None
-        self._n_long: torch.Tensor | None = None
-        self._match_n: torch.Tensor | None = None
-        self.allocation = {"steps": 0, "context_slots": 0, "bigram_slots": 0,
-                           "context_accepted": 0, "bigram_accepted": 0}
+        self._slot_source: torch.Tensor | None = None  # [B,k] source of each draft slot (NodeAcceptance's numbering)
+        self._slot_rank: torch.Tensor | None = None  # [B,k] rank of each slot among its source's drafts
+        self.allocation = {"steps": 0, "context_slots": 0, "corpus_slots": 0, "bigram_slots": 0,
+                           "context_accepted": 0, "corpus_accepted": 0, "bigram_accepted": 0}
 
-    def context_drafts(self, state: DecodeState, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[B,k,w]`` context drafts (-1 padded, best first), ``[B]`` how many there are, and ``[B]`` how
-        many of them (the first) continue the longest matching suffix. The length of that suffix
-        (``q + 1 .. n_max``, 0 without one) is kept in ``self._match_n`` ``[B]``."""
+    def context_drafts(self, state: DecodeState, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[B,k,w]`` context drafts (-1 padded, best first), ``[B]`` how many there are, ``[B]`` how
+        many of them (the first) continue the longest matching suffix, and ``[B]`` that suffix's length
+        (``q + 1 .. n_max``, 0 without one)."""
         k = self.k
         width = max(state.seq_lens_host)
         seq = state.seq[:, :width]
@@ -74,9 +86,8 @@ class NGrammysDrafter(Drafter):
         found = counts > 0
         if self.n_max <= self.q:
             n = found.sum(-1)
-            self._match_n = torch.zeros_like(n)
-            return ctx, n, torch.zeros_like(n)
-        long, _, long_counts, self._match_n = kernels.ngram_match(seq, state.seq_lens, self.q + 1, self.n_max, k, w)
+            return ctx, n, torch.zeros_like(n), torch.zeros_like(n)
+        long, _, long_counts, match_n = kernels.ngram_match(seq, state.seq_lens, self.q + 1, self.n_max, k, w)
         long_found = long_counts > 0
         # A q-match continuation equal to a longer match's is a repeat: drop it.
         repeat = ((ctx[:, :, None, :] == long[:, None, :, :]).all(-1) & long_found[:, None, :]).any(-1)
@@ -86,32 +97,59 @@ class NGrammysDrafter(Drafter):
         drafts = both.gather(1, order[:, :, None].expand(-1, -1, w))
         n = keep.sum(-1).clamp(max=k)
         drafts = drafts.masked_fill((torch.arange(k, device=seq.device)[None] >= n[:, None])[:, :, None], -1)
-        return drafts, n, long_found.sum(-1)
+        return drafts, n, long_found.sum(-1), match_n.long()
 
-    def drafts(self, state: DecodeState, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B,k,w]`` drafts (-1 padded, best first) and ``[B]`` how many came from the context."""
-        b = state.seq.shape[0]
-        dev = state.seq.device
-        k = self.k
+    def drafts(self, state: DecodeState, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[B,k,w]`` drafts (-1 padded), and for each of the ``k`` slots ``[B,k]`` its source (numbered as in
+        :class:`NodeAcceptance`) and ``[B,k]`` its rank among that source's drafts.
+
+        Slot order: longest-suffix context matches, then up to ``c`` corpus drafts, then the q-matches,
+        then extended-bigram rows (``mixed``) for the slots left.
+        """
+        b, dev, k = state.seq.shape[0], state.seq.device, self.k
+        slot = torch.arange(k, device=dev)[None, :].expand(b, k)
+        zero = torch.zeros(b, dtype=torch.int64, device=dev)
         if self.strategy == "bigram":
-            n_ctx = torch.zeros(b, dtype=torch.int64, device=dev)
-            self._n_long = self._match_n = n_ctx
+            n_long = n_ctx = match_n = zero
             ctx = torch.full((b, k, w), -1, dtype=torch.int64, device=dev)
         else:
-            ctx, n_ctx, self._n_long = self.context_drafts(state, w)
+            ctx, n_ctx, n_long, match_n = self.context_drafts(state, w)
+        n_cor, cor_n = zero, zero
+        if self.c:
+            width = max(state.seq_lens_host)
+            cor, n_cor, cor_n = self.corpus.match(state.seq[:, :width], state.seq_lens, self.c, w, self.n_max)
+            n_cor = torch.minimum(n_cor, k - n_long)
+        # slot -> (source, rank, where its draft comes from)
+        in_long = slot < n_long[:, None]
+        in_cor = ~in_long & (slot < (n_long + n_cor)[:, None])
+        ctx_slot = torch.where(in_long, slot, slot - n_cor[:, None])  # index into ctx for context slots
+        in_q = ~in_long & ~in_cor & (ctx_slot < n_ctx[:, None])
+        in_big = ~(in_long | in_cor | in_q)
+        drafts = ctx.gather(1, ctx_slot.clamp(0, k - 1)[:, :, None].expand(b, k, w))
+        if self.c:
+            cor_rank = (slot - n_long[:, None]).clamp(0, self.c - 1)
+            drafts = torch.where(in_cor[:, :, None], cor.gather(1, cor_rank[:, :, None].expand(b, k, w)), drafts)
+        big_rank = ctx_slot - n_ctx[:, None]
         if self.strategy == "context":
-            return ctx, n_ctx
-        slot = torch.arange(k, device=dev)[None, :] - n_ctx[:, None]  # bigram rank for each remaining slot
-        big = extend_bigram(self.tables.bigram_on(dev), w, state.roots, k)  # [B,k,w]
-        fill = big.gather(1, slot.clamp(min=0)[:, :, None].expand(b, k, w))
-        return torch.where((slot >= 0)[:, :, None], fill, ctx), n_ctx
+            drafts = drafts.masked_fill(in_big[:, :, None], -1)
+        else:
+            big = extend_bigram(self.tables.bigram_on(dev), w, state.roots, k)  # [B,k,w]
+            fill = big.gather(1, big_rank.clamp(0, k - 1)[:, :, None].expand(b, k, w))
+            drafts = torch.where(in_big[:, :, None], fill, drafts)
+        n_src = NodeAcceptance.sources(self.q, self.n_max)  # corpus sources follow the context ones
+        long_source = 2 + (match_n[:, None] - self.q - 1).clamp(min=0)  # a longer match is accepted more often
+        source = torch.where(in_long, long_source, torch.where(in_cor, n_src + cor_n[:, None] - 1,
+                                                               torch.where(in_q, 1, 0)))
+        rank = torch.where(in_long, slot, torch.where(in_cor, slot - n_long[:, None],
+                                                      torch.where(in_q, ctx_slot - n_long[:, None], big_rank)))
+        return drafts, source, rank.clamp(0, k - 1)
 
     def propose(self, state: DecodeState, max_len: int) -> DraftTree:
         w = min(self.w, max_len)
         self._chain_of_node = None
         if w < 1:
             return DraftTree.chain(state.roots)
-        drafts, self._n_ctx = self.drafts(state, w)
+        drafts, self._slot_source, self._slot_rank = self.drafts(state, w)
         if self.verify == "chain":
             tree = DraftTree.chain(state.roots, drafts[:, 0])
             self._chain_of_node = torch.zeros(tree.tokens.shape, dtype=torch.int64, device=drafts.device)
@@ -125,19 +163,14 @@ class NGrammysDrafter(Drafter):
         """Keep, per row, the nodes most likely to be accepted, as many as pay for their cost.
 
         A node's acceptance estimate comes from its cell (source, rank among that source's drafts,
-        depth; a longest-suffix match's source is its suffix length), capped by its parent's (a child is
-        never likelier than its parent). Taking nodes in descending estimate keeps a closed subtree; the
-        expected accepted length of ``n`` nodes is the sum of their estimates, so the kept count maximises
-        ``(1 + sum) / cost(n + 1)``. Every ``cost.explore()``-th plan keeps one node more.
+        depth; a longest-suffix or corpus match's source is its suffix length), capped by its parent's (a
+        child is never likelier than its parent). Taking nodes in descending estimate keeps a closed
+        subtree; the expected accepted length of ``n`` nodes is the sum of their estimates, so the kept
+        count maximises ``(1 + sum) / cost(n + 1)``. Every ``cost.explore()``-th plan keeps one node more.
         """
         chain = self._chain_of_node
-        n_long, n_ctx = self._n_long[:, None], self._n_ctx[:, None]
-        is_long = chain < n_long
-        tier = (chain < n_ctx).long() + is_long.long()  # 0 bigram, 1 context (q), 2 longest match
-        start = torch.where(tier == 2, 0, torch.where(tier == 1, n_long, n_ctx))
-        # A longest match of n tokens is source 2 + (n - q - 1): longer matches are accepted more often.
-        source = torch.where(is_long, tier + (self._match_n[:, None].long() - self.q - 1).clamp(min=0), tier)
-        rank = (chain - start).clamp(0, self.k - 1)
+        source = self._slot_source.gather(1, chain.clamp(min=0))  # the root's chain is -1; its estimate is fixed below
+        rank = self._slot_rank.gather(1, chain.clamp(min=0))
         depth = (tree.depth - 1).clamp(0, self.w - 1)
         cell = (source * self.k + rank) * self.w + depth  # [B,T]
         p = self.acceptance.rates(tree.tokens.device).gather(0, cell.reshape(-1)).reshape(cell.shape)
@@ -177,17 +210,23 @@ class NGrammysDrafter(Drafter):
             self._slot = None
         last = path.gather(1, (torch.tensor(path_len, device=path.device) - 1).clamp(min=0)[:, None]).squeeze(1)
         chain = self._chain_of_node.gather(1, last[:, None]).squeeze(1)
-        a = self.allocation
-        n_ctx, chain = torch.stack([self._n_ctx, chain]).tolist()  # one host transfer
+        n_src = NodeAcceptance.sources(self.q, self.n_max)
+        kind = torch.where(self._slot_source == 0, 0, torch.where(self._slot_source >= n_src, 2, 1))  # [B,k]
         slots = self.k if self.verify != "chain" else 1
-        for nc, c, n in zip(n_ctx, chain, path_len):
+        counts = torch.stack([(kind[:, :slots] == i).sum(-1) for i in range(3)], 1)  # [B,3]
+        won = kind.gather(1, chain.clamp(min=0)[:, None])  # [B,1] source kind of the accepted chain (if any)
+        rows = torch.cat([counts, won], 1).tolist()  # one host transfer
+        a = self.allocation
+        names = ("bigram", "context", "corpus")
+        for (*per_kind, w), n in zip(rows, path_len):
             if n == 0:  # a finished row
                 continue
             a["steps"] += 1
-            a["context_slots"] += min(nc, slots)
-            a["bigram_slots"] += slots - min(nc, slots) if self.strategy != "context" else 0
+            for name, count in zip(names, per_kind):
+                if name != "bigram" or self.strategy != "context":  # a context-only drafter's empty slots
+                    a[f"{name}_slots"] += count
             if n > 1:
-                a["context_accepted" if c < nc else "bigram_accepted"] += n - 1
+                a[f"{names[w]}_accepted"] += n - 1
 
     def summary(self) -> dict:
         return {"allocation": dict(self.allocation)}
@@ -197,23 +236,27 @@ class NodeAcceptance:
     """How often a draft node was accepted, per cell (source, rank, depth), with a Beta prior.
 
     Sources: 0 bigram rows, 1 matches of the last ``q`` tokens, ``2 + j`` longest-suffix matches of
-    ``q + 1 + j`` tokens (``j < n_max - q``). The prior expects longer matches to be accepted more often
-    than short ones and those more than bigram rows, and deeper or lower-ranked nodes less often;
-    measured counts take over after a few steps.
+    ``q + 1 + j`` tokens (``j < n_max - q``), and with ``corpus`` then one per corpus match length
+    ``1 .. n_max``. The prior expects longer matches to be accepted more often than short ones and those
+    more than bigram rows, and deeper or lower-ranked nodes less often; measured counts take over after
+    a few steps.
     """
 
     @staticmethod
-    def sources(q: int, n_max: int) -> int:
-        """Number of sources: bigram, q-match, and one per longest-match length (at least one)."""
-        return 2 + max(1, n_max - q)
+    def sources(q: int, n_max: int, corpus: bool = False) -> int:
+        """Number of sources: bigram, q-match, one per longest-match length (at least one), and with
+        ``corpus`` one per corpus match length."""
+        return 2 + max(1, n_max - q) + (n_max if corpus else 0)
 
-    def __init__(self, k: int, w: int, q: int = 1, n_max: int = 4, *, prior_weight: float = 2.0):
+    def __init__(self, k: int, w: int, q: int = 1, n_max: int = 4, *, corpus: bool = False, prior_weight: float = 2.0):
         rank = torch.arange(k, dtype=torch.float64)[:, None]
         depth = torch.arange(w, dtype=torch.float64)[None, :]
         ctx = 0.5 * 0.8**depth / (1 + rank)
         big = 0.25 * 0.6**depth / (1 + rank)
         longs = [min(0.9, 0.55 + 0.05 * j) * 0.85**depth / (1 + rank) for j in range(self.sources(q, n_max) - 2)]
-        prior = torch.stack([big, ctx, *longs]).reshape(-1)  # cell = (source * k + rank) * w + depth
+        # corpus matches of 1 .. n_max tokens: a 1-token match is about a bigram row's worth
+        cors = [min(0.6, 0.15 * (1 + j)) * 0.8**depth / (1 + rank) for j in range(n_max if corpus else 0)]
+        prior = torch.stack([big, ctx, *longs, *cors]).reshape(-1)  # cell = (source * k + rank) * w + depth
         self.accepted = prior * prior_weight
         self.proposed = torch.full_like(prior, prior_weight)
         self._rates: torch.Tensor | None = None
