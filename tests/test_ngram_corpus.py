@@ -82,6 +82,22 @@ def test_match_equals_brute_force(seed):
         assert d[b, : len(bd)].tolist() == bd, row
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_host_and_device_lookups_agree(seed):
+    # the CPU path probes dictionaries; other devices binary-search sorted keys: both on the CPU here
+    rnd = random.Random(seed)
+    docs = [[rnd.randrange(7) for _ in range(rnd.randrange(2, 25))] for _ in range(10)]
+    c = NGramCorpus.build(docs, vocab=7, n_max=4, k_max=3)
+    rows = [[rnd.randrange(-1, 9) for _ in range(rnd.randrange(1, 7))] for _ in range(30)]  # foreign ids too
+    width = max(map(len, rows))
+    seq = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    lens = torch.tensor([len(r) for r in rows])
+    for top in (1, 4):
+        host, device = c._find_host(seq, lens, 3, top), c._find_device(seq, lens, 3, top)
+        assert torch.equal(host[0], device[0]) and torch.equal(host[1], device[1])
+    assert (host[1] > 0).any() and (host[1] < 4).any()
+
+
 def test_keys_are_exact_and_n_max_fits_int64():
     assert max_exact_n(49152, 4) == 4 and max_exact_n(262144, 4) == 3 and max_exact_n(10, 2) == 2
     w = torch.tensor([[49151, 0, 49151, 3], [49151, 0, 49151, 4]])
