@@ -94,14 +94,12 @@ class SpecDecoder:
         self._step_cost: StepCost | None = None
         self._pld_acceptance = AcceptanceModel()  # learned across calls: one model, one workload
         self._ngram_tables: NGramTables | None = None
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        if isinstance(corpus, str) and corpus == "auto":
-            corpus = shipped_corpus(self.tokenizer) if self.tokenizer is not None else None
-        elif isinstance(corpus, (str, Path)):
+        if isinstance(corpus, (str, Path)) and str(corpus) != "auto":
             corpus = NGramCorpus.load(corpus)
-        if corpus is not None and corpus.vocab > vocab:
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        if isinstance(corpus, NGramCorpus) and corpus.vocab > vocab:
             raise ValueError(f"the n-gram corpus was built for a vocabulary of {corpus.vocab} ids; the model has {vocab}")
-        self.corpus: NGramCorpus | None = corpus
+        self._corpus = corpus  # "auto" is resolved on first use
         self._node_acceptance: dict = {}  # ngrammys: per option set (k, w, q, n_max, ...), learned across calls
 
     def get_draft(self, name: str | None = None) -> tuple[PreTrainedModel, ModelRunner]:
@@ -121,6 +119,12 @@ class SpecDecoder:
             vocab = self.model.get_output_embeddings().weight.shape[0]
             self._ngram_tables = load_tables(self.model, k_max=min(32, vocab))
         return self._ngram_tables
+
+    def ngram_corpus(self) -> NGramCorpus | None:
+        """The n-gram corpus ngrammys drafts from (``auto``: the shipped one for this tokenizer's vocabulary)."""
+        if isinstance(self._corpus, str):
+            self._corpus = shipped_corpus(self.tokenizer) if self.tokenizer is not None else None
+        return self._corpus
 
     def step_cost(self) -> StepCost:
         """The target's measured step cost per tree size (calibrated on first use, about 30 forwards)."""
@@ -181,7 +185,7 @@ class SpecDecoder:
                 raise ValueError(f"unknown options for 'ngrammys': {sorted(unknown)}")
             opts = {**NGRAMMYS_DEFAULTS, **options}
             if opts["c"] is None:  # a few corpus slots where the decoder has a corpus
-                with_corpus = self.corpus is not None and opts["strategy"] != "bigram"
+                with_corpus = self.ngram_corpus() is not None and opts["strategy"] != "bigram"
                 opts["c"] = min(NGRAMMYS_CORPUS_SLOTS, opts["k"]) if with_corpus else 0
             tables = self.ngram_tables() if opts["strategy"] != "context" else None
             adaptive = {}
@@ -190,7 +194,7 @@ class SpecDecoder:
                 self._node_acceptance.setdefault(key, NodeAcceptance(opts["k"], opts["w"], opts["q"], opts["n_max"],
                                                                      corpus=opts["c"] > 0))
                 adaptive = {"cost": self.step_cost(), "acceptance": self._node_acceptance[key]}
-            drafter = NGrammysDrafter(tables, **opts, **adaptive, corpus=self.corpus)
+            drafter = NGrammysDrafter(tables, **opts, **adaptive, corpus=self.ngram_corpus() if opts["c"] else None)
             k = drafter.w
         else:
             k = options.pop("draft_length", 5)

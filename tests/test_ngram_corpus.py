@@ -186,14 +186,15 @@ def test_corpus_checks_in_the_decoder():
     with pytest.raises(ValueError, match="corpus"):
         dec.generate_ids([[3, 4]], "ngrammys", 4, GREEDY, c=2)
     # a loaded model without a tokenizer finds no shipped corpus: c defaults to 0
-    assert SpecDecoder(model).corpus is None
+    assert SpecDecoder(model).ngram_corpus() is None
     assert dec.generate_ids([[3, 4, 3, 4]], "ngrammys", 6, GREEDY).tokens == [hf_generate(model, [3, 4, 3, 4], 6, GREEDY)]
 
 
 def test_shipped_corpus_fits_the_embedded_model_and_decodes_losslessly():
     dec = SpecDecoder("smollm2", dtype="fp32")
-    assert dec.corpus is not None, "no shipped corpus matches the embedded tokenizer"
-    assert dec.corpus.meta["vocab_fingerprint"] == vocab_fingerprint(dec.tokenizer) and dec.corpus.meta["documents"] >= 500
+    corpus = dec.ngram_corpus()
+    assert corpus is not None, "no shipped corpus matches the embedded tokenizer"
+    assert corpus.meta["vocab_fingerprint"] == vocab_fingerprint(dec.tokenizer) and corpus.meta["documents"] == 612
     ids = dec.encode("Write a short Python function that returns the sum of a list.")
     out = dec.generate_ids([ids], "ngrammys", 24, GREEDY)
     assert out.tokens[0] == hf_generate(dec.model, ids, 24, GREEDY)
@@ -212,5 +213,5 @@ def test_ngram_corpus_command(tmp_path):
     assert c.meta["documents"] == 2 and c.meta["max_new_tokens"] == 6 and c.meta["weights_key"]
     assert int((c.tokens >= 0).sum()) <= 2 * (8 + 6)
     dec = SpecDecoder("smollm2", dtype="fp32", corpus=out)
-    assert dec.corpus.meta == c.meta
+    assert dec.ngram_corpus().meta == c.meta
     assert shipped_corpus(dec.tokenizer, folder=tmp_path) is not None  # the fingerprint is recorded
