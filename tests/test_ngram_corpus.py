@@ -196,7 +196,8 @@ def test_shipped_corpus_fits_the_embedded_model_and_decodes_losslessly():
     assert corpus is not None, "no shipped corpus matches the embedded tokenizer"
     assert corpus.meta["vocab_fingerprint"] == vocab_fingerprint(dec.tokenizer) and corpus.meta["documents"] == 612
     ids = dec.encode("Write a short Python function that returns the sum of a list.")
-    out = dec.generate_ids([ids], "ngrammys", 24, GREEDY)
+    # context + corpus: the default mixed strategy would first compute the bigram table (minutes on a fresh cache)
+    out = dec.generate_ids([ids], "ngrammys", 24, GREEDY, strategy="context")
     assert out.tokens[0] == hf_generate(dec.model, ids, 24, GREEDY)
     assert out.stats.drafter["allocation"]["corpus_slots"] > 0
 
