@@ -14,7 +14,7 @@ from specdec.drafters.ngrammys import NodeAcceptance
 from specdec.distill.eagle import is_feature_draft
 from specdec.hub import DEFAULT_MODEL, load_model
 from specdec.model import ModelRunner
-from specdec.ngram_corpus import NGramCorpus, shipped_corpus
+from specdec.ngram_corpus import NGramCorpus, shipped_corpus, vocab_fingerprint
 from specdec.ngram_tables import NGramTables, load_tables
 from specdec.policies import AcceptanceModel, HeuristicLength, StaticLength, StepCost
 from specdec.verify import SamplingConfig
@@ -94,11 +94,17 @@ class SpecDecoder:
         self._step_cost: StepCost | None = None
         self._pld_acceptance = AcceptanceModel()  # learned across calls: one model, one workload
         self._ngram_tables: NGramTables | None = None
-        if isinstance(corpus, (str, Path)) and str(corpus) != "auto":
+        if isinstance(corpus, Path) or (isinstance(corpus, str) and corpus != "auto"):
             corpus = NGramCorpus.load(corpus)
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        if isinstance(corpus, NGramCorpus) and corpus.vocab > vocab:
-            raise ValueError(f"the n-gram corpus was built for a vocabulary of {corpus.vocab} ids; the model has {vocab}")
+        elif corpus is not None and not isinstance(corpus, (str, NGramCorpus)):
+            raise TypeError(f"corpus must be 'auto', None, a file path or an NGramCorpus, got {type(corpus).__name__}")
+        if isinstance(corpus, NGramCorpus):
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            if corpus.vocab > vocab:
+                raise ValueError(f"the n-gram corpus was built for a vocabulary of {corpus.vocab} ids; the model has {vocab}")
+            fp = corpus.meta.get("vocab_fingerprint")
+            if fp is not None and self.tokenizer is not None and fp != vocab_fingerprint(self.tokenizer):
+                raise ValueError("the n-gram corpus was built with another tokenizer's vocabulary")
         self._corpus = corpus  # "auto" is resolved on first use
         self._node_acceptance: dict = {}  # ngrammys: per option set (k, w, q, n_max, ...), learned across calls
 
@@ -158,7 +164,8 @@ class SpecDecoder:
         ``NGRAMMYS_DEFAULTS``; ``schedule`` ``cost`` (default: each row's tree is pruned to the nodes
         worth their measured verification cost, by acceptance learned per source, rank and depth) or
         ``static`` (all k x w drafts, as in the paper); ``c``: slots for drafts from the n-gram corpus, after
-        the longest-suffix matches (default 2 where the decoder has a corpus, else 0)."""
+        the longest-suffix matches, looked up with suffixes of up to ``n_max`` tokens (default ``min(2, k)`` where the
+        decoder has a corpus and the strategy is not ``bigram``, else 0)."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
         if method in NEEDS_DRAFT and self.draft_runner is None:

@@ -150,7 +150,12 @@ def cmd_ngram_corpus(args) -> int:
 
     dec = SpecDecoder(args.model, dtype=args.dtype, linear=args.linear, corpus=None)
     prompts = read_prompts(args.prompts, dec, args.limit)
-    meta = {"model": args.model, "weights_key": weights_key(dec.model), "dtype": args.dtype,
+    excluded = []
+    if args.exclude:  # e.g. the evaluation prompts: their replies must not be in the corpus
+        held_out = {tuple(p.ids) for p in read_prompts(args.exclude, dec)}
+        excluded = [p.id for p in prompts if tuple(p.ids) in held_out]
+        prompts = [p for p in prompts if tuple(p.ids) not in held_out]
+    meta = {"excluded": excluded, "model": args.model, "weights_key": weights_key(dec.model), "dtype": args.dtype,
             "prompts": str(args.prompts), "command": "specdec " + " ".join(sys.argv[1:])}
     corpus = generate_corpus(dec, [p.ids for p in prompts], args.max_new_tokens, args.batch_size, progress=True, meta=meta)
     corpus.save(args.out)
@@ -187,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--linear", default="auto", choices=["torch", "skinny", "auto"])
     c.add_argument("--prompts", required=True, help="JSON lines with id, category, chat, prompt (use training prompts)")
     c.add_argument("--limit", type=int, default=None)
+    c.add_argument("--exclude", default=None, help="prompts file whose prompts are left out (the evaluation set)")
     c.add_argument("--max-new-tokens", type=int, default=128)
     c.add_argument("--batch-size", type=int, default=8)
     c.add_argument("--out", required=True, help="file to write (specdec/data/ngram_corpus/NAME.pt ships it)")

@@ -54,6 +54,7 @@ class NGramCorpus:
     keys: list[torch.Tensor]
     starts: list[torch.Tensor]
     meta: dict = field(default_factory=dict)
+    span: int = 4
     _copies: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _rows: list | None = field(default=None, init=False, repr=False, compare=False)  # per n: {key: table row}
 
@@ -116,7 +117,7 @@ class NGramCorpus:
             table[np.searchsorted(uniq, gk[sel]), rank[sel]] = gp[sel]
             keys.append(torch.from_numpy(uniq))
             starts.append(torch.from_numpy(table))
-        return cls(tokens, vocab, keys, starts, dict(meta or {}))
+        return cls(tokens, vocab, keys, starts, dict(meta or {}), span)
 
     def _on(self, device: torch.device) -> tuple:
         if device == self.tokens.device:
@@ -206,7 +207,7 @@ class NGramCorpus:
             prev = c + 1
         lengths = torch.tensor([d.numel() for d in docs], dtype=torch.int64)
         torch.save({"version": CORPUS_VERSION, "vocab": self.vocab, "tokens": torch.cat(docs), "lengths": lengths,
-                    "n_max": self.n_max, "k_max": self.k_max, "meta": self.meta}, Path(path))
+                    "n_max": self.n_max, "k_max": self.k_max, "span": self.span, "meta": self.meta}, Path(path))
 
     @classmethod
     def load(cls, path: Path | str, data: dict | None = None) -> "NGramCorpus":
@@ -215,7 +216,8 @@ class NGramCorpus:
         if data.get("version") != CORPUS_VERSION:
             raise ValueError(f"{path}: n-gram corpus version {data.get('version')}, expected {CORPUS_VERSION}")
         docs = [d.tolist() for d in torch.split(data["tokens"].long(), data["lengths"].tolist())]
-        return cls.build(docs, int(data["vocab"]), int(data["n_max"]), int(data["k_max"]), meta=data["meta"])
+        return cls.build(docs, int(data["vocab"]), int(data["n_max"]), int(data["k_max"]), int(data.get("span", 4)),
+                         meta=data["meta"])
 
 
 def vocab_fingerprint(tokenizer) -> str:

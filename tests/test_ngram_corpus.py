@@ -80,6 +80,7 @@ def test_match_equals_brute_force(seed):
         bn, bd = brute(docs, row, 3, 3, 5)
         assert m[b].item() == bn and n[b].item() == len(bd), row
         assert d[b, : len(bd)].tolist() == bd, row
+        assert (d[b, len(bd):] == -1).all(), row
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -121,11 +122,12 @@ def test_bad_input():
     assert m.tolist() == [0]
 
 
-def test_save_load_round_trip(tmp_path):
-    c = NGramCorpus.build([[1, 2, 3], [3, 2, 1, 2, 3, 3]], vocab=4, n_max=2, k_max=2, meta={"x": 1})
+@pytest.mark.parametrize("span", [1, 4])
+def test_save_load_round_trip(tmp_path, span):
+    c = NGramCorpus.build([[1, 2, 3], [3, 2, 1, 2, 3, 3], [2, 1, 0]], vocab=4, n_max=2, k_max=2, span=span, meta={"x": 1})
     c.save(tmp_path / "c.pt")
     r = NGramCorpus.load(tmp_path / "c.pt")
-    assert torch.equal(r.tokens, c.tokens) and r.meta == {"x": 1} and (r.n_max, r.k_max) == (2, 2)
+    assert torch.equal(r.tokens, c.tokens) and r.meta == {"x": 1} and (r.n_max, r.k_max, r.span) == (2, 2, span)
     assert all(torch.equal(a, b) for a, b in zip(r.keys + r.starts, c.keys + c.starts))
     torch.save({"version": 0}, tmp_path / "old.pt")
     with pytest.raises(ValueError, match="version"):
@@ -167,7 +169,9 @@ def test_ngrammys_with_corpus_matches_transformers(arch):
     dec = SpecDecoder(model, corpus=corpus)
     refs = [hf_generate(model, p, 30, GREEDY) for p in prompts]
     for verify in ("tree", "batch", "chain"):
-        out = dec.generate_ids(prompts, "ngrammys", 30, GREEDY, k=5, w=4, verify=verify)
+        # static: every draft is verified, so the corpus hits below do not depend on a timing-based plan
+        out = dec.generate_ids(prompts, "ngrammys", 30, GREEDY, k=5, w=4, verify=verify, schedule="static")
+        assert dec.generate_ids(prompts, "ngrammys", 30, GREEDY, k=5, w=4, verify=verify).tokens == refs
         assert out.tokens == refs, verify
         alloc = out.stats.drafter["allocation"]
         assert alloc["corpus_slots"] > 0
@@ -182,6 +186,8 @@ def test_corpus_checks_in_the_decoder():
     model = tiny_model("llama")  # vocabulary of 96 ids
     with pytest.raises(ValueError, match="vocabulary"):
         SpecDecoder(model, corpus=NGramCorpus.build([[1, 2]], vocab=200))
+    with pytest.raises(TypeError, match="corpus must be"):
+        SpecDecoder(model, corpus=3)
     dec = SpecDecoder(model, corpus=None)
     with pytest.raises(ValueError, match="corpus"):
         dec.generate_ids([[3, 4]], "ngrammys", 4, GREEDY, c=2)
@@ -194,7 +200,8 @@ def test_shipped_corpus_fits_the_embedded_model_and_decodes_losslessly():
     dec = SpecDecoder("smollm2", dtype="fp32")
     corpus = dec.ngram_corpus()
     assert corpus is not None, "no shipped corpus matches the embedded tokenizer"
-    assert corpus.meta["vocab_fingerprint"] == vocab_fingerprint(dec.tokenizer) and corpus.meta["documents"] == 612
+    assert corpus.meta["vocab_fingerprint"] == vocab_fingerprint(dec.tokenizer) and corpus.meta["documents"] == 610
+    assert corpus.meta["excluded"]  # the training prompts that are also dev prompts
     ids = dec.encode("Write a short Python function that returns the sum of a list.")
     # context + corpus: the default mixed strategy would first compute the bigram table (minutes on a fresh cache)
     out = dec.generate_ids([ids], "ngrammys", 24, GREEDY, strategy="context")
@@ -205,14 +212,21 @@ def test_shipped_corpus_fits_the_embedded_model_and_decodes_losslessly():
 def test_ngram_corpus_command(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "category": "qa", "chat": True, "prompt": p}) + "\n"
-                               for i, p in enumerate(["Name a colour.", "Count to five."])))
+                               for i, p in enumerate(["Name a colour.", "Count to five.", "Say hello."])))
+    held_out = tmp_path / "dev.jsonl"
+    held_out.write_text(json.dumps({"id": "d", "category": "qa", "chat": True, "prompt": "Say hello."}) + "\n")
     out = tmp_path / "c.pt"
     proc = subprocess.run([sys.executable, "-m", "specdec.cli", "ngram-corpus", "--prompts", str(prompts), "--dtype", "fp32",
-                           "--max-new-tokens", "6", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--max-new-tokens", "6", "--exclude", str(held_out), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     c = NGramCorpus.load(out)
-    assert c.meta["documents"] == 2 and c.meta["max_new_tokens"] == 6 and c.meta["weights_key"]
+    assert c.meta["documents"] == 2 and c.meta["excluded"] == ["2"]
+    assert c.meta["max_new_tokens"] == 6 and c.meta["weights_key"]
     assert int((c.tokens >= 0).sum()) <= 2 * (8 + 6)
     dec = SpecDecoder("smollm2", dtype="fp32", corpus=out)
     assert dec.ngram_corpus().meta == c.meta
+    foreign = NGramCorpus.build([[1, 2]], vocab=8, meta={"vocab_fingerprint": "another tokenizer"})
+    with pytest.raises(ValueError, match="another tokenizer"):
+        SpecDecoder(dec.model, tokenizer=dec.tokenizer, corpus=foreign)
     assert shipped_corpus(dec.tokenizer, folder=tmp_path) is not None  # the fingerprint is recorded
