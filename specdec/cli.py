@@ -58,11 +58,16 @@ def _sampling(args):
     return SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
 
 
-def cmd_generate(args) -> int:
+def _decoder(args):
+    """The SpecDecoder that ``generate`` and ``bench`` run: target, drafts, dtype, linear kernel, n-gram corpus."""
     from specdec.api import SpecDecoder
 
-    dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype, linear=args.linear,
-                      corpus=None if args.corpus == "none" else args.corpus)
+    return SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype, linear=args.linear,
+                       corpus=None if args.corpus == "none" else args.corpus)
+
+
+def cmd_generate(args) -> int:
+    dec = _decoder(args)
     s = _sampling(args)
     out = dec.generate(args.prompt, args.method, args.max_new_tokens, chat=not args.no_chat, temperature=s.temperature,
                        top_k=s.top_k, top_p=s.top_p, seed=s.seed, **_method_options(args, args.method))
@@ -78,11 +83,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from specdec.api import SpecDecoder
     from specdec.bench import bench_config, format_table, read_prompts, run_bench
 
-    dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype, linear=args.linear,
-                      corpus=None if args.corpus == "none" else args.corpus)
+    dec = _decoder(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     prompts = read_prompts(args.prompts, dec, args.limit, args.per_category)
     s = _sampling(args)

@@ -64,7 +64,7 @@ class NGramCorpus:
 
     @property
     def k_max(self) -> int:
-        return self.starts[0].shape[1] if self.starts else 0
+        return self.starts[0].shape[1]
 
     @classmethod
     def build(cls, documents: list[list[int]], vocab: int, n_max: int = 4, k_max: int = 4, span: int = 4,

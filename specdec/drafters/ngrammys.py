@@ -60,7 +60,7 @@ class NGrammysDrafter(Drafter):
             raise ValueError("strategy 'bigram' drafts from the bigram table only: use c=0")
         self.tables, self.k, self.w, self.q, self.n_max = tables, k, w, q, n_max
         self.strategy, self.verify = strategy, verify
-        self.corpus, self.c = (corpus, c) if c > 0 else (None, 0)
+        self.corpus, self.c = (corpus if c else None), c
         self.cost = cost
         self.acceptance = acceptance if acceptance is not None else (
             NodeAcceptance(k, w, q, n_max, corpus=self.c > 0) if cost else None)
@@ -116,8 +116,7 @@ class NGrammysDrafter(Drafter):
             ctx, n_ctx, n_long, match_n = self.context_drafts(state, w)
         n_cor, cor_n = zero, zero
         if self.c:
-            width = max(state.seq_lens_host)
-            cor, n_cor, cor_n = self.corpus.match(state.seq[:, :width], state.seq_lens, self.c, w, self.n_max)
+            cor, n_cor, cor_n = self.corpus.match(state.seq, state.seq_lens, self.c, w, self.n_max)
             n_cor = torch.minimum(n_cor, k - n_long)
         # slot -> (source, rank, where its draft comes from)
         in_long = slot < n_long[:, None]
