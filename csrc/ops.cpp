@@ -23,6 +23,7 @@ TORCH_LIBRARY(specdec, m) {
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, Tensor k_tree, Tensor v_tree, "
         "Tensor? tree_mask, float? scale=None, Tensor? tree_positions=None, int? window=None) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
   m.def("tree_verify_greedy(Tensor tokens, Tensor parents, Tensor target_logits, Tensor? valid=None) -> "
         "(Tensor path, Tensor length, Tensor next_token)");
 }

@@ -61,7 +61,7 @@ class SpecDecoder:
     drafts from besides the context (:mod:`specdec.ngram_corpus`): ``auto`` (a shipped one built for this
     tokenizer's vocabulary, if any), None, a file written by ``specdec ngram-corpus``, or an ``NGramCorpus``. ``draft`` may be a list: the first
     is the default, ``sd``'s ``draft=NAME`` option picks another (loaded ones are ``draft0``, ...). ``linear``: kernel of the linear
-    layers of models loaded by name (``auto``, ``skinny``, ``torch``; see :mod:`specdec.linear`); a
+    layers of models loaded by name (``auto``, ``packed``, ``skinny``, ``torch``; see :mod:`specdec.linear`); a
     loaded model is used as given.
     """
 

@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 
 from specdec.hub import DEFAULT_MODEL
+from specdec.linear import LINEAR_KERNELS
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -16,10 +17,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(the first is the default; bench methods pick another, e.g. sd:draft=NAME)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--linear", default="auto", choices=["torch", "skinny", "auto"],
-                   help="linear layers of target and draft: specdec's skinny kernel for products of a few rows "
-                        "(streams the weights once for all verified tokens, batch-invariant), torch's, or auto "
-                        "(default: skinny on CPU when specdec._C is built)")
+    p.add_argument("--linear", default="auto", choices=list(LINEAR_KERNELS),
+                   help="linear layers of target and draft: specdec's packed kernel (weights prepacked once; "
+                        "streams them once for all verified tokens, batch-invariant), its skinny kernel (weights "
+                        "as stored), torch's, or auto (default: packed on CPU when specdec._C is built)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("ngram-corpus", help="index the target's greedy replies to prompts for ngrammys' corpus drafts")
     c.add_argument("--model", default=DEFAULT_MODEL)
     c.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
-    c.add_argument("--linear", default="auto", choices=["torch", "skinny", "auto"])
+    c.add_argument("--linear", default="auto", choices=list(LINEAR_KERNELS))
     c.add_argument("--prompts", required=True, help="JSON lines with id, category, chat, prompt (use training prompts)")
     c.add_argument("--limit", type=int, default=None)
     c.add_argument("--exclude", default=None, help="prompts file whose prompts are left out (the evaluation set)")

@@ -102,7 +102,7 @@ def tokenizer_path(path: Path) -> Path:
 def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str = "cpu", linear: str = "torch"):
     """Load ``(model, tokenizer)`` for a causal LM; ``dtype`` is ``fp32``, ``bf16`` or ``fp16``.
 
-    linear: ``torch`` (as loaded), ``skinny`` or ``auto`` (see :mod:`specdec.linear`).
+    linear: ``torch`` (as loaded), ``packed``, ``skinny`` or ``auto`` (see :mod:`specdec.linear`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

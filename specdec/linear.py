@@ -11,6 +11,12 @@ Prefill has the opposite problem: a bf16/fp16 product over many rows on such a C
 than widening the weights to fp32 and calling the fp32 GEMM, so those calls are widened (where the
 CPU has native bf16 matrix instructions, torch's own kernel is kept).
 
+With ``prepack`` (the default of ``--linear packed`` and ``auto``) each weight is also kept prepacked
+in column panels (:func:`specdec.kernels.pack_linear_weight`) for :func:`specdec.kernels.packed_linear`,
+whose outer-product kernel is 2-3x faster than ``skinny_linear`` from four rows on and beats torch's
+fp32 GEMM up to a few hundred rows on an AVX2 CPU, so prompts go through it too. The packed copy
+costs one more copy of the weights in memory; it is rebuilt when the weight changes.
+
 The swap replaces modules the way transformers' quantizers do (same parameters, same state dict);
 no model code is changed. Calls with more rows than ``max_rows`` (prefill), with gradients, or off
 the CPU go to ``nn.Linear.forward`` (widened as above).
@@ -22,18 +28,18 @@ import functools
 import torch
 from torch import nn
 
-from specdec.kernels import has_native, native_ops
+from specdec.kernels import has_native, native_ops, pack_linear_weight
 
-LINEAR_KERNELS = ("auto", "skinny", "torch")
+LINEAR_KERNELS = ("auto", "packed", "skinny", "torch")
 
 
 @functools.lru_cache(maxsize=None)
-def _op():
-    """``torch.ops.specdec.skinny_linear.default``; raises where the compiled extension is missing."""
+def _op(name: str = "skinny_linear"):
+    """``torch.ops.specdec.<name>.default``; raises where the compiled extension is missing."""
     ops = native_ops()
-    if ops is None or not hasattr(ops, "skinny_linear"):
+    if ops is None or not hasattr(ops, name):
         raise RuntimeError("SkinnyLinear needs the compiled extension specdec._C (pip install --no-build-isolation -e .)")
-    return ops.skinny_linear.default
+    return getattr(ops, name).default
 
 
 _HALF_GEMM_FEATURES = {
@@ -61,34 +67,62 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.to(x.dtype)
 
 
-def default_max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which the skinny kernel is used on CPU. Measured on an AVX2 CPU: torch's fp32 GEMM
-    catches up at about 16 rows. For bf16 the kernel beats torch's bf16 fallback at any size and the
-    widened fp32 GEMM (:func:`widened_linear`) up to about 64 rows (2.7 ms for a [1536, 576] product over
-    64 rows, 2 threads, against about 2.5 ms for the skinny kernel). fp16 was not measured and shares bf16's limit."""
+def default_max_rows(dtype: torch.dtype, prepack: bool = False) -> int:
+    """Rows up to which the skinny or packed kernel is used on CPU. Measured on an AVX2 CPU, 2 threads:
+
+    - ``skinny_linear``: torch's fp32 GEMM catches up at about 16 rows. For bf16 it beats torch's bf16
+      fallback at any size and the widened fp32 GEMM (:func:`widened_linear`) up to about 64 rows.
+    - ``packed_linear`` (prepack): faster than torch's fp32 GEMM and the widened one at every size
+      measured up to 256 rows (a [1536, 576] product over 256 rows: 2.4 ms against 2.6 ms fp32 and
+      2.9 ms widened bf16). Past that the kernel, which streams all rows of x once per panel, is not
+      blocked for cache, so 256 is its limit.
+    fp16 was not measured and shares bf16's limits."""
+    if prepack:
+        return 256
     return 16 if dtype == torch.float32 else 64
 
 
 class SkinnyLinear(nn.Linear):
-    """``nn.Linear`` whose CPU products over at most ``max_rows`` rows use :func:`specdec.kernels.skinny_linear`;
-    with ``widen``, half-precision CPU products over more rows use :func:`widened_linear`."""
+    """``nn.Linear`` whose CPU products over at most ``max_rows`` rows use :func:`specdec.kernels.skinny_linear`,
+    or with ``prepack`` :func:`specdec.kernels.packed_linear` over a packed copy of the weight; with
+    ``widen``, half-precision CPU products over more rows use :func:`widened_linear`."""
 
     max_rows: int = 16
     widen: bool = False
+    prepack: bool = False
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, max_rows: int, widen: bool | None = None) -> "SkinnyLinear":
+    def from_linear(cls, linear: nn.Linear, max_rows: int, widen: bool | None = None,
+                    prepack: bool = False) -> "SkinnyLinear":
         """A SkinnyLinear sharing ``linear``'s weight and bias Parameters (ties are kept).
 
         widen: run half-precision products over more than ``max_rows`` rows through
-        :func:`widened_linear` (default: where the CPU lacks bf16/fp16 matrix instructions)."""
+        :func:`widened_linear` (default: where the CPU lacks bf16/fp16 matrix instructions).
+        prepack: use :func:`specdec.kernels.packed_linear`; the packed weight is built on first use."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         new.weight = linear.weight
         new.bias = linear.bias
         new.max_rows = max_rows
         new.widen = (not cpu_has_half_gemm(linear.weight.dtype)) if widen is None else widen
+        new.prepack = prepack
+        new._packed, new._packed_key = None, None
+        if prepack and linear.weight.device.type == "cpu":
+            new.packed_weight()  # now, not in the first forward
         new.train(linear.training)
         return new
+
+    def packed_weight(self) -> torch.Tensor:
+        """The weight packed for :func:`specdec.kernels.packed_linear`: ``[ceil(N / 16), K, 16]``.
+
+        A plain attribute, not a buffer (``module.to(dtype)`` would convert it without re-packing, and
+        the bf16 layout differs): it is rebuilt whenever the weight's storage, version (in-place
+        updates), dtype or device changes."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if self._packed_key != key:
+            self._packed = pack_linear_weight(w)
+            self._packed_key = key
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[..., in_features]`` -> ``[..., out_features]``."""
@@ -99,37 +133,44 @@ class SkinnyLinear(nn.Linear):
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             if 0 < x.numel() <= self.max_rows * k and x.shape[-1] == k:
                 shape = x.shape[:-1] + (self.out_features,)
+                if self.prepack:
+                    return _op("packed_linear")(x.reshape(-1, k), self.packed_weight(), self.out_features,
+                                                self.bias).view(shape)
                 return _op()(x.reshape(-1, k), self.weight, self.bias).view(shape)
             if self.widen and x.dtype in (torch.bfloat16, torch.float16):
                 return widened_linear(x, self.weight, self.bias)
         return super().forward(x)
 
 
-def use_skinny_linear(model: nn.Module, max_rows: int | None = None) -> int:
+def use_skinny_linear(model: nn.Module, max_rows: int | None = None, prepack: bool = False) -> int:
     """Replace every ``nn.Linear`` of ``model`` in place by a :class:`SkinnyLinear` sharing its parameters.
 
     max_rows: largest product sent to the kernel (default :func:`default_max_rows` of the weights'
-    dtype). Returns the number of layers replaced.
+    dtype and kernel). prepack: use the packed kernel (:func:`specdec.kernels.packed_linear`).
+    Returns the number of layers replaced.
     """
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                rows = max_rows if max_rows is not None else default_max_rows(child.weight.dtype)
-                setattr(parent, name, SkinnyLinear.from_linear(child, rows))
+                rows = max_rows if max_rows is not None else default_max_rows(child.weight.dtype, prepack)
+                setattr(parent, name, SkinnyLinear.from_linear(child, rows, prepack=prepack))
                 count += 1
     return count
 
 
 def apply_linear_kernel(model: nn.Module, kernel: str, device: str) -> bool:
-    """Apply the ``--linear`` choice: ``skinny``, ``torch`` (leave as is) or ``auto`` (skinny on CPU when
-    the compiled extension is built). Returns whether the skinny kernel was installed."""
+    """Apply the ``--linear`` choice: ``packed`` (:func:`specdec.kernels.packed_linear` over prepacked
+    weights), ``skinny`` (:func:`specdec.kernels.skinny_linear` over the weights as stored), ``torch``
+    (leave as is) or ``auto`` (packed on CPU when the compiled extension is built). Returns whether a
+    specdec kernel was installed."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear kernel {kernel!r}: use one of {', '.join(LINEAR_KERNELS)}")
     if kernel == "torch":
         return False
-    if kernel == "auto" and not (torch.device(device).type == "cpu" and has_native("skinny_linear")):
+    if kernel == "auto" and not (torch.device(device).type == "cpu" and has_native("packed_linear")):
         return False
-    _op()  # fail here, not in the first forward, without the extension
-    use_skinny_linear(model)
+    prepack = kernel != "skinny"
+    _op("packed_linear" if prepack else "skinny_linear")  # fail here, not in the first forward, without the extension
+    use_skinny_linear(model, prepack=prepack)
     return True

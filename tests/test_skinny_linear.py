@@ -1,4 +1,5 @@
-"""specdec.kernels.skinny_linear and the SkinnyLinear swap: accuracy, batch invariance, losslessness."""
+"""specdec.kernels.skinny_linear / packed_linear and the SkinnyLinear swap: accuracy, batch invariance,
+layout, losslessness."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from specdec.api import SpecDecoder, hf_generate
-from specdec.kernels import has_native, reference, skinny_linear
+from specdec.kernels import has_native, pack_linear_weight, packed_linear, reference, skinny_linear
 from specdec.linear import cpu_has_half_gemm, SkinnyLinear, apply_linear_kernel, use_skinny_linear
 from specdec.verify import SamplingConfig
 from tests.conftest import tiny_model
@@ -78,6 +79,98 @@ def test_bad_input(backend):
         skinny_linear(torch.randn(2, 8), w, torch.randn(5), backend=backend)
 
 
+@native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 77, 5), (3, 8, 17), (4, 200, 48), (7, 31, 64), (8, 576, 130),
+                                   (13, 19, 33), (40, 96, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_matches_reference(dtype, m, k, n, bias):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    packed = pack_linear_weight(w)
+    y = packed_linear(x, packed, n, b, backend="cpp")
+    ref = reference.skinny_linear(x, w, b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    scale = ref.float().abs().max().clamp_min(1.0)
+    assert ((y.float() - ref.float()).abs().max() / scale) < TOL[dtype]
+    torch.testing.assert_close(packed_linear(x, packed, n, b, backend="torch"), ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_layout(dtype):
+    """Panels of 16 columns, k-major, zero past N; bf16 interleaves the two halves of a panel."""
+    w = torch.arange(35 * 3, dtype=torch.float32).view(35, 3).to(dtype)
+    packed = pack_linear_weight(w)
+    assert packed.shape == (3, 3, 16) and packed.dtype == dtype
+    second = w[8] if dtype == torch.bfloat16 else w[1]  # slot 1 of panel 0
+    assert torch.equal(packed[0, :, 0], w[0]) and torch.equal(packed[0, :, 1], second)
+    assert torch.equal(packed[2, :, 0], w[32])
+    assert not packed[2, :, 6:].any() and not packed[2, :, 3].any()  # columns 35..47 (bf16 slot 3 = column 33)
+    assert torch.equal(reference.unpack_linear_weight(packed, 35), w)
+
+
+@native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_batch_invariant(dtype):
+    """Every row of an M-row call equals, bit for bit, the row alone, in any other batch (any row
+    blocking: 1, 2, 3-6 and several blocks) and with one thread or two."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 203, generator=g).to(dtype)
+    w = torch.randn(150, 203, generator=g).to(dtype)
+    b = torch.randn(150, generator=g).to(dtype)
+    packed = pack_linear_weight(w)
+    full = packed_linear(x, packed, 150, b, backend="cpp")
+    for i in range(20):
+        assert torch.equal(packed_linear(x[i:i + 1], packed, 150, b, backend="cpp")[0], full[i])
+    for lo, hi in [(0, 2), (3, 6), (5, 12), (2, 13), (1, 9), (4, 20)]:
+        assert torch.equal(packed_linear(x[lo:hi], packed, 150, b, backend="cpp"), full[lo:hi])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(packed_linear(x, packed, 150, b, backend="cpp"), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpp", marks=native)])
+def test_packed_bad_input(backend):
+    w = torch.randn(20, 8)
+    packed = pack_linear_weight(w)
+    with pytest.raises(ValueError, match="share one dtype"):
+        packed_linear(torch.randn(2, 8, dtype=torch.bfloat16), packed, 20, backend=backend)
+    with pytest.raises(ValueError, match="must be"):
+        packed_linear(torch.randn(2, 7), packed, 20, backend=backend)
+    with pytest.raises(ValueError, match="does not fit"):
+        packed_linear(torch.randn(2, 8), packed, 40, backend=backend)
+    with pytest.raises(ValueError, match="packed must be"):
+        packed_linear(torch.randn(2, 8), w, 20, backend=backend)
+    with pytest.raises(ValueError, match="bias"):
+        packed_linear(torch.randn(2, 8), packed, 20, torch.randn(5), backend=backend)
+    with pytest.raises(ValueError, match="supports fp32/bf16/fp16"):
+        pack_linear_weight(w.double())
+
+
+@native
+def test_module_prepacked_follows_weight_changes():
+    """The packed copy is rebuilt when the weight changes in place, is replaced, or changes dtype."""
+    torch.manual_seed(0)
+    lin = nn.Linear(40, 24)
+    sk = SkinnyLinear.from_linear(lin, max_rows=8, prepack=True)
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        assert torch.equal(sk(x), packed_linear(x, pack_linear_weight(lin.weight), 24, lin.bias))
+        lin.weight.mul_(-2.0)  # shared Parameter, updated in place
+        torch.testing.assert_close(sk(x), nn.functional.linear(x, lin.weight, lin.bias))
+        sk.load_state_dict({"weight": torch.randn(24, 40), "bias": torch.zeros(24)})
+        torch.testing.assert_close(sk(x), nn.functional.linear(x, sk.weight, sk.bias))
+        sk.to(torch.bfloat16)  # the bf16 panel layout differs from fp32's: a converted copy would be wrong
+        xb = x.bfloat16()
+        expect = nn.functional.linear(xb.float(), sk.weight.float(), sk.bias.float()).bfloat16()
+        torch.testing.assert_close(sk(xb), expect)
+
+
 def test_swap_keeps_parameters_and_ties():
     model = copy.deepcopy(tiny_model("llama"))
     keys = list(model.state_dict())
@@ -127,15 +220,16 @@ def test_module_widens_half_precision_prefill(dtype):
 
 
 @native
+@pytest.mark.parametrize("prepack", [False, True], ids=["skinny", "packed"])
 @pytest.mark.parametrize("method,opts", [("pld", {}), ("ngrammys", {}), ("sd", {"draft_length": 4})])
-def test_lossless_with_skinny(arch, method, opts):
-    """Greedy decoding on a target whose linear layers run the skinny kernel equals transformers'
-    generate on that same model, and (decisive tiny models) on the unmodified model too."""
+def test_lossless_with_skinny(arch, method, opts, prepack):
+    """Greedy decoding on a target whose linear layers run the skinny (or packed) kernel equals
+    transformers' generate on that same model, and (decisive tiny models) on the unmodified model too."""
     stock = tiny_model(arch)
     target = copy.deepcopy(stock)
-    use_skinny_linear(target)
+    use_skinny_linear(target, prepack=prepack)
     draft = copy.deepcopy(tiny_model(arch, seed=1))
-    use_skinny_linear(draft)
+    use_skinny_linear(draft, prepack=prepack)
     dec = SpecDecoder(target, draft=draft)
     g = torch.Generator().manual_seed(3)
     for plen in (1, 9, 30):

@@ -77,3 +77,9 @@ def _tree_verify_greedy_fake(
 def _skinny_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``[M, N]`` in x's dtype."""
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("specdec::packed_linear")
+def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``[M, n]`` in x's dtype."""
+    return x.new_empty((x.shape[0], n))

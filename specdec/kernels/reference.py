@@ -190,6 +190,42 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.to(x.dtype)
 
 
+PANEL = 16  # columns per panel of a packed linear weight
+
+
+def panel_columns(dtype: torch.dtype) -> torch.Tensor:
+    """``[16]`` int64: the weight column (within its panel) held by each slot of a packed panel step.
+
+    bf16 interleaves the two halves (slot ``s`` holds column ``s // 2 + 8 * (s % 2)``), so the CPU
+    kernel widens 16 values with one shift and one mask; fp32 and fp16 keep columns in order."""
+    s = torch.arange(PANEL)
+    return s // 2 + 8 * (s % 2) if dtype == torch.bfloat16 else s
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` -> ``packed [ceil(N / 16), K, 16]``, same dtype and device:
+    ``packed[p, k, s] = weight[16 p + panel_columns(dtype)[s], k]``, zero past ``N``."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    w = torch.zeros(panels * PANEL, k, dtype=weight.dtype, device=weight.device)
+    w[:n] = weight
+    cols = panel_columns(weight.dtype).to(weight.device)
+    return w.view(panels, PANEL, k)[:, cols, :].transpose(1, 2).contiguous()
+
+
+def unpack_linear_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_linear_weight`: ``packed [P, K, 16]`` -> ``weight [n, K]``."""
+    panels, k, _ = packed.shape
+    slots = torch.argsort(panel_columns(packed.dtype)).to(packed.device)
+    return packed[:, :, slots].transpose(1, 2).reshape(panels * PANEL, k)[:n].contiguous()
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] . W^T + bias`` with ``W = unpack_linear_weight(packed, n)``, computed in fp32 and rounded
+    once to x's dtype: ``[..., n]``."""
+    return skinny_linear(x, unpack_linear_weight(packed, n), bias)
+
+
 # ----------------------------------------------------------------------------------------
 # In-place KV-cache compaction
 # ----------------------------------------------------------------------------------------

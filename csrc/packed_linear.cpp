@@ -1,0 +1,244 @@
+// CPU kernel of specdec::packed_linear: y = x . W^T + b for a few rows of x (verification's T
+// drafted tokens, T ~ 1-64), with W prepacked once into column panels (specdec.kernels.pack_linear_weight):
+//
+//   packed[p, k, s] = W[16 p + col(s), k]   (p < ceil(N / 16), zero past N)
+//   col(s) = s                  for fp32 and fp16
+//   col(s) = s / 2 + 8 (s % 2)  for bf16: the 16 values of one (p, k) load as 8 int32 lanes whose
+//                               low halves are columns 0-7 and high halves columns 8-15, so widening
+//                               them to fp32 is one shift and one mask.
+//
+// Why a second linear kernel: skinny_linear (csrc/skinny_linear.cpp) takes W as stored, [N, K], and
+// dots rows of W with rows of x, so every output element is a horizontal sum and each widened
+// weight vector can only be reused across a few rows of x before the registers run out. From four
+// rows on it is compute-bound at a fraction of the FMA rate, and a verification of T tokens costs
+// nearly T times a one-token step. With panels, the inner loop is an outer product: one panel
+// step widens 16 weights into two registers and broadcasts one x value per row, so a 6-row block
+// keeps 12 accumulators and does 12 FMAs per 16 weights read (the classic 6x16 GEMM micro-kernel).
+//
+// Batch invariance: every output element is one fp32 accumulator, updated once per k in order
+// k = 0 .. K-1 with the same multiply-add, then the bias, then one rounding to the output dtype.
+// Which rows share a call, or how they are blocked, never changes that sequence, so row m of a
+// T-row verification equals, bit for bit, the same row computed alone (one-token decoding).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "simd.h"
+
+namespace specdec {
+namespace {
+
+constexpr int kPanel = 16;  // columns per panel: two 8-lane registers
+constexpr int kMaxRows = 6;  // rows per register block (6 x 2 accumulators + 2 weights + 1 broadcast)
+
+typedef simd::Lanes<8>::f v8;
+typedef simd::Lanes<8>::i v8i;
+
+// Broadcast of one float. Written this way GCC emits one vbroadcastss from memory inside the
+// target clones; {s, s, ...} or a memcpy into a vector is built lane by lane there.
+SPECDEC_INLINE v8 splat8(const float* p) {
+  const v8 t = {*p};
+  return __builtin_shufflevector(t, t, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+// One panel step (16 weights) widened to fp32: columns 0-7 in lo, 8-15 in hi.
+template <typename w_t>
+SPECDEC_INLINE void load_panel(const w_t* p, v8& lo, v8& hi) {
+  if constexpr (std::is_same_v<w_t, float>) {
+    std::memcpy(&lo, p, sizeof(v8));
+    std::memcpy(&hi, p + 8, sizeof(v8));
+  } else if constexpr (std::is_same_v<w_t, at::BFloat16>) {
+    v8i v;
+    std::memcpy(&v, p, sizeof(v));
+    lo = (v8)(v << 16);
+    hi = (v8)(v & static_cast<int32_t>(0xFFFF0000u));
+  } else {
+    lo = simd::load_f16_n<8>(reinterpret_cast<const uint16_t*>(p));
+    hi = simd::load_f16_n<8>(reinterpret_cast<const uint16_t*>(p) + 8);
+  }
+}
+
+struct Args {
+  const float* x;  // [M, K] fp32 (x widened once per call)
+  const void* w;   // [P, K, 16] packed weight dtype
+  const float* b;  // [N] fp32 or null
+  void* y;         // [M, N] output dtype
+  int64_t M, N, K;
+};
+
+// Stores one panel's 16 accumulators of one row: bias, one rounding, columns past N dropped.
+template <typename w_t>
+SPECDEC_INLINE void store_panel(const Args& a, int64_t m, int64_t p, v8 lo, v8 hi) {
+  float v[kPanel];
+  std::memcpy(v, &lo, sizeof(lo));
+  std::memcpy(v + 8, &hi, sizeof(hi));
+  const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, a.N - n0);
+  w_t* out = static_cast<w_t*>(a.y) + m * a.N + n0;
+  for (int c = 0; c < cols; ++c) out[c] = static_cast<w_t>(a.b != nullptr ? v[c] + a.b[n0 + c] : v[c]);
+}
+
+// Rows [m0, m0 + MR) against panels [p0, p0 + NP): MR x NP x 2 accumulators held in registers.
+// (The accumulators are only ever passed by value: an array whose address is taken, even by memcpy,
+// is kept in memory by GCC and every FMA goes through a store.)
+template <typename w_t, int MR, int NP>
+SPECDEC_INLINE void micro(const Args& a, int64_t m0, int64_t p0) {
+  const int64_t K = a.K;
+  const w_t* w = static_cast<const w_t*>(a.w) + p0 * K * kPanel;
+  const float* x = a.x + m0 * K;
+  v8 acc[MR][NP][2] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    v8 wv[NP][2];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) load_panel(w + (p * K + k) * kPanel, wv[p][0], wv[p][1]);
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m) {
+      const v8 xb = splat8(x + m * K + k);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) {
+        acc[m][p][0] += xb * wv[p][0];
+        acc[m][p][1] += xb * wv[p][1];
+      }
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) store_panel<w_t>(a, m0 + m, p0 + p, acc[m][p][0], acc[m][p][1]);
+}
+
+template <typename w_t, int NP>
+SPECDEC_INLINE void micro_rows(const Args& a, int rows, int64_t m0, int64_t p0) {
+  switch (rows) {
+    case 1: return micro<w_t, 1, NP>(a, m0, p0);
+    case 2: return micro<w_t, 2, NP>(a, m0, p0);
+    case 3: if constexpr (NP == 1) return micro<w_t, 3, 1>(a, m0, p0); break;
+    case 4: if constexpr (NP == 1) return micro<w_t, 4, 1>(a, m0, p0); break;
+    case 5: if constexpr (NP == 1) return micro<w_t, 5, 1>(a, m0, p0); break;
+    case 6: if constexpr (NP == 1) return micro<w_t, 6, 1>(a, m0, p0); break;
+  }
+}
+
+// Panels [p0, p0 + NP) against all M rows, in near-equal blocks of at most six rows: 8 rows are
+// 4 + 4 rather than 6 + 2 (a 2-row block of one panel leaves the FMA units waiting on latency).
+// (Everything down to the micro-kernel is always_inline: a helper compiled on its own, a lambda
+// included, would get the baseline ISA instead of the caller's AVX2/AVX-512.)
+template <typename w_t, int NP>
+SPECDEC_INLINE void all_rows(const Args& a, int64_t p0) {
+  const int64_t blocks = (a.M + kMaxRows - 1) / kMaxRows;
+  int64_t m = 0;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int rows = static_cast<int>(a.M / blocks + (i < a.M % blocks));
+    micro_rows<w_t, NP>(a, rows, m, p0);
+    m += rows;
+  }
+}
+
+// Panels [p_begin, p_end), NP at a time (wide blocks keep eight FMA chains in flight at one or two rows).
+template <typename w_t, int NP>
+SPECDEC_INLINE void panels(const Args& a, int64_t p_begin, int64_t p_end) {
+  int64_t p = p_begin;
+  for (; p + NP <= p_end; p += NP) all_rows<w_t, NP>(a, p);
+  for (; p < p_end; ++p) all_rows<w_t, 1>(a, p);
+}
+
+// Panels per register block: 4 at one row (8 accumulators), 2 at two rows, 1 from three rows on.
+inline int panels_per_block(int64_t M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+
+template <typename w_t>
+SPECDEC_INLINE void run_impl(const Args& a, int64_t p_begin, int64_t p_end) {
+  switch (panels_per_block(a.M)) {
+    case 4: return panels<w_t, 4>(a, p_begin, p_end);
+    case 2: return panels<w_t, 2>(a, p_begin, p_end);
+    default: return panels<w_t, 1>(a, p_begin, p_end);
+  }
+}
+
+template <typename w_t>
+SPECDEC_TARGET_AVX512 void run_avx512(const Args& a, int64_t begin, int64_t end) {
+  run_impl<w_t>(a, begin, end);
+}
+template <typename w_t>
+SPECDEC_TARGET_AVX2 void run_avx2(const Args& a, int64_t begin, int64_t end) {
+  run_impl<w_t>(a, begin, end);
+}
+template <typename w_t>
+void run_base(const Args& a, int64_t begin, int64_t end) {
+  run_impl<w_t>(a, begin, end);
+}
+
+at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                             const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K], got shape ", x.sizes());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel,
+              "packed_linear: packed weight must be [ceil(N / 16), K, 16], got shape ", packed.sizes());
+  const auto dtype = packed.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "packed_linear: weight must be fp32, bf16 or fp16, got ", dtype);
+  TORCH_CHECK(x.scalar_type() == dtype, "packed_linear: x dtype ", x.scalar_type(), " differs from weight dtype ",
+              dtype);
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "packed_linear: x has K = ", K, " columns but the packed weight is ",
+              packed.sizes());
+  TORCH_CHECK(n >= 0 && (n + kPanel - 1) / kPanel == P, "packed_linear: N = ", n, " does not fit ", P,
+              " panels of 16 columns");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "packed_linear: bias must be [N = ", n, "], got ",
+                bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == dtype, "packed_linear: bias dtype ", bias->scalar_type(),
+                " differs from weight dtype ", dtype);
+    b = bias->to(at::kFloat).contiguous();
+  }
+  auto y = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return y;
+  // x as fp32 rows: used in place when it already is, else widened into a per-thread buffer.
+  const auto xc = x.contiguous();
+  const float* xf = nullptr;
+  thread_local std::vector<float> widened;
+  if (dtype == at::kFloat) {
+    xf = xc.const_data_ptr<float>();
+  } else {
+    widened.resize(static_cast<size_t>(M * K));
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "packed_linear_widen", [&] {
+      const auto* src = xc.const_data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
+    });
+    xf = widened.data();
+  }
+  const auto w = packed.contiguous();
+  Args a{xf, w.const_data_ptr(), b.defined() ? b.const_data_ptr<float>() : nullptr, y.mutable_data_ptr(), M, n, K};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "packed_linear", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "packed_linear: fp64 is not supported");
+    } else {
+      using Fn = void (*)(const Args&, int64_t, int64_t);
+      const Fn fn = simd::pick<Fn>(run_avx512<scalar_t>, run_avx2<scalar_t>, run_base<scalar_t>);
+      // Work units are register blocks of panels; a task gets at least ~64K weight elements (below
+      // that, waking the pool costs more than the work).
+      const int64_t unit = panels_per_block(M);
+      const int64_t units = (P + unit - 1) / unit;
+      const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(unit * kPanel * K, 1));
+      at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+        fn(a, begin * unit, std::min(end * unit, P));
+      });
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("packed_linear", &packed_linear_cpu);
+}
+
+}  // namespace specdec
