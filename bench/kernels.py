@@ -221,6 +221,19 @@ def skinny_linear_case(m: int, dtype: torch.dtype) -> Case:
     return Case("skinny_linear", f"24 x [1536, 576] M={m} {name}", ours, base, "torch.nn.functional.linear")
 
 
+def packed_linear_case(m: int, dtype: torch.dtype) -> Case:
+    """The same 24 weights as :func:`skinny_linear_case`, prepacked: the packed kernel against skinny_linear."""
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(1536, 576, generator=g).to(dtype) for _ in range(24)]
+    ps = [K.pack_linear_weight(w) for w in ws]
+    x = torch.randn(m, 576, generator=g).to(dtype)
+    ours = lambda: [K.packed_linear(x, p, 1536) for p in ps]  # noqa: E731
+    base = lambda: [K.skinny_linear(x, w) for w in ws]  # noqa: E731
+    torch.testing.assert_close(ours()[0].float(), base()[0].float(), atol=0.3, rtol=2e-2)
+    name = str(dtype).replace("torch.", "")
+    return Case("packed_linear", f"24 x [1536, 576] M={m} {name}", ours, base, "specdec skinny_linear")
+
+
 # (id, builder): building a case makes its inputs and checks ours against the baseline once.
 CASES: list[tuple[str, Callable[[], Case]]] = [
     ("ngram_match", ngram_case),
@@ -233,6 +246,8 @@ CASES: list[tuple[str, Callable[[], Case]]] = [
     ("tree_verify_greedy-all", lambda: tree_verify_case("all")),
     *((f"skinny_linear-M{m}-{name}", functools.partial(skinny_linear_case, m, dt))
       for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for m in (1, 2, 4, 8, 16)),
+    *((f"packed_linear-M{m}-{name}", functools.partial(packed_linear_case, m, dt))
+      for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for m in (1, 2, 4, 8, 16, 64)),
 ]
 
 
