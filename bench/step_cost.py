@@ -16,6 +16,7 @@ import platform
 import torch
 
 from specdec.api import SpecDecoder
+from specdec.linear import LINEAR_KERNELS
 from specdec.policies import StepCost
 
 
@@ -35,7 +36,7 @@ def main() -> None:
     ap.add_argument("--dtype", action="append", default=None, help="fp32, bf16 or fp16 (repeatable)")
     ap.add_argument("--context", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--linear", default="auto", choices=["torch", "skinny", "auto"])
+    ap.add_argument("--linear", default="auto", choices=list(LINEAR_KERNELS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "context": args.context, "linear": args.linear,
