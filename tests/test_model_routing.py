@@ -61,3 +61,34 @@ def test_attention_selection(monkeypatch):
     assert default_attention(torch.device("cpu")) == ("kernel" if kernels.has_native("tree_attention") else "sdpa")
     with pytest.raises(ValueError):
         ModelRunner(tiny_model("llama"), attention="flash")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_step_route(dtype, monkeypatch):
+    """A one-token step with every key visible takes SDPA's unmasked path in fp32 and the kernel in
+    half precision (where SDPA is the slower one); both give the SDPA runner's logits."""
+    import copy
+
+    import specdec.model
+
+    model = copy.deepcopy(tiny_model("llama")).to(dtype)
+    prompt = torch.arange(2, 30)[None]
+    calls = []
+    real = specdec.model.kernels.tree_attention
+    monkeypatch.setattr(specdec.model.kernels, "tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def one_step(attention):
+        runner = ModelRunner(model, attention=attention)
+        runner.reset(1, 40)
+        first, _ = runner.prefill(prompt, torch.tensor([prompt.shape[1]]))
+        calls.clear()
+        logits, _ = runner.forward_tree(DraftTree.chain(first.argmax(-1), torch.zeros(1, 0, dtype=torch.long)))
+        return logits, len(calls)
+
+    want, sdpa_calls = one_step("sdpa")
+    got, kernel_calls = one_step("kernel")
+    assert sdpa_calls == 0
+    assert kernel_calls == (0 if dtype == torch.float32 else model.config.num_hidden_layers)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
