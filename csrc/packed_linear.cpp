@@ -29,8 +29,8 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <vector>
 
+#include "linear_common.h"
 #include "simd.h"
 
 namespace specdec {
@@ -176,44 +176,19 @@ void run_base(const Args& a, int64_t begin, int64_t end) {
 
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                              const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: tensors must be on the CPU");
-  TORCH_CHECK(x.dim() == 2, "packed_linear: x must be [M, K], got shape ", x.sizes());
+  const auto dtype = linear::check_dtypes("packed_linear", x, packed);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel,
               "packed_linear: packed weight must be [ceil(N / 16), K, 16], got shape ", packed.sizes());
-  const auto dtype = packed.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "packed_linear: weight must be fp32, bf16 or fp16, got ", dtype);
-  TORCH_CHECK(x.scalar_type() == dtype, "packed_linear: x dtype ", x.scalar_type(), " differs from weight dtype ",
-              dtype);
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.size(1) == K, "packed_linear: x has K = ", K, " columns but the packed weight is ",
               packed.sizes());
   TORCH_CHECK(n >= 0 && (n + kPanel - 1) / kPanel == P, "packed_linear: N = ", n, " does not fit ", P,
               " panels of 16 columns");
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "packed_linear: bias must be [N = ", n, "], got ",
-                bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == dtype, "packed_linear: bias dtype ", bias->scalar_type(),
-                " differs from weight dtype ", dtype);
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor b = linear::bias_fp32("packed_linear", bias, n, dtype);
   auto y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;
-  // x as fp32 rows: used in place when it already is, else widened into a per-thread buffer.
   const auto xc = x.contiguous();
-  const float* xf = nullptr;
-  thread_local std::vector<float> widened;
-  if (dtype == at::kFloat) {
-    xf = xc.const_data_ptr<float>();
-  } else {
-    widened.resize(static_cast<size_t>(M * K));
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "packed_linear_widen", [&] {
-      const auto* src = xc.const_data_ptr<scalar_t>();
-      for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
-    });
-    xf = widened.data();
-  }
+  const float* xf = linear::rows_fp32(xc);
   const auto w = packed.contiguous();
   Args a{xf, w.const_data_ptr(), b.defined() ? b.const_data_ptr<float>() : nullptr, y.mutable_data_ptr(), M, n, K};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "packed_linear", [&] {

@@ -21,8 +21,8 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <vector>
 
+#include "linear_common.h"
 #include "simd.h"
 
 namespace specdec {
@@ -148,41 +148,15 @@ void rows_base(const Args& a, int64_t begin, int64_t end) {
 }
 
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear: tensors must be on the CPU");
-  TORCH_CHECK(x.dim() == 2, "skinny_linear: x must be [M, K], got shape ", x.sizes());
+  const auto dtype = linear::check_dtypes("skinny_linear", x, weight);
   TORCH_CHECK(weight.dim() == 2, "skinny_linear: weight must be [N, K], got shape ", weight.sizes());
-  const auto dtype = weight.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "skinny_linear: weight must be fp32, bf16 or fp16, got ", dtype);
-  TORCH_CHECK(x.scalar_type() == dtype, "skinny_linear: x dtype ", x.scalar_type(), " differs from weight dtype ",
-              dtype);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "skinny_linear: x has K = ", K, " columns but weight is ", weight.sizes());
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "skinny_linear: bias must be [N = ", N, "], got ",
-                bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == dtype, "skinny_linear: bias dtype ", bias->scalar_type(),
-                " differs from weight dtype ", dtype);
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor b = linear::bias_fp32("skinny_linear", bias, N, dtype);
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  // x as fp32 rows: used in place when it already is; otherwise widened into a per-thread buffer
-  // (an at::Tensor here costs more than the whole product at one row).
   const auto xc = x.contiguous();
-  const float* xf = nullptr;
-  thread_local std::vector<float> widened;
-  if (dtype == at::kFloat) {
-    xf = xc.const_data_ptr<float>();
-  } else {
-    widened.resize(static_cast<size_t>(M * K));
-    AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "skinny_linear_widen", [&] {
-      const auto* src = xc.const_data_ptr<scalar_t>();
-      for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
-    });
-    xf = widened.data();
-  }
+  const float* xf = linear::rows_fp32(xc);
   const auto w = weight.contiguous();
   Args a{xf, w.const_data_ptr(), b.defined() ? b.const_data_ptr<float>() : nullptr, y.mutable_data_ptr(), M, N, K};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "skinny_linear", [&] {

@@ -19,20 +19,30 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
+def _linear(kernel: str, x, w, b, backend: str = "cpp"):
+    """``x . w^T + b`` through skinny_linear, or packed_linear over ``w`` packed."""
+    if kernel == "skinny":
+        return skinny_linear(x, w, b, backend=backend)
+    return packed_linear(x, pack_linear_weight(w), w.shape[0], b, backend=backend)
+
+
 @native
+@pytest.mark.parametrize("kernel", ["skinny", "packed"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (3, 77, 5), (5, 8, 1), (9, 200, 33), (16, 576, 130), (40, 31, 7)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 77, 5), (3, 8, 17), (5, 8, 1), (4, 200, 48), (7, 31, 64),
+                                   (9, 200, 33), (16, 576, 130), (13, 19, 33), (40, 31, 7)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_reference(dtype, m, k, n, bias):
+def test_matches_reference(kernel, dtype, m, k, n, bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    y = skinny_linear(x, w, b, backend="cpp")
+    y = _linear(kernel, x, w, b)
     ref = reference.skinny_linear(x, w, b)
     assert y.dtype == dtype and y.shape == (m, n)
     scale = ref.float().abs().max().clamp_min(1.0)
     assert ((y.float() - ref.float()).abs().max() / scale) < TOL[dtype]
+    torch.testing.assert_close(_linear(kernel, x, w, b, backend="torch"), ref, atol=0, rtol=0)
 
 
 @native
@@ -77,25 +87,6 @@ def test_bad_input(backend):
         skinny_linear(torch.randn(2, 8, dtype=torch.float64), w.double(), backend=backend)
     with pytest.raises(ValueError, match="bias"):
         skinny_linear(torch.randn(2, 8), w, torch.randn(5), backend=backend)
-
-
-@native
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 77, 5), (3, 8, 17), (4, 200, 48), (7, 31, 64), (8, 576, 130),
-                                   (13, 19, 33), (40, 96, 70)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_packed_matches_reference(dtype, m, k, n, bias):
-    g = torch.Generator().manual_seed(m * 1000 + k + n)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype) if bias else None
-    packed = pack_linear_weight(w)
-    y = packed_linear(x, packed, n, b, backend="cpp")
-    ref = reference.skinny_linear(x, w, b)
-    assert y.dtype == dtype and y.shape == (m, n)
-    scale = ref.float().abs().max().clamp_min(1.0)
-    assert ((y.float() - ref.float()).abs().max() / scale) < TOL[dtype]
-    torch.testing.assert_close(packed_linear(x, packed, n, b, backend="torch"), ref, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
