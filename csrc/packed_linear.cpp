@@ -16,7 +16,9 @@
 // keeps 12 accumulators and does 12 FMAs per 16 weights read (the classic 6x16 GEMM micro-kernel).
 //
 // Batch invariance: every output element is one fp32 accumulator, updated once per k in order
-// k = 0 .. K-1 with the same multiply-add, then the bias, then one rounding to the output dtype.
+// k = 0 .. K-1 with the same multiply-add (one fused FMA where the ISA has it: setup.py compiles
+// with -ffp-contract=fast so every instantiation contracts alike), then the bias, then one rounding
+// to the output dtype.
 // Which rows share a call, or how they are blocked, never changes that sequence, so row m of a
 // T-row verification equals, bit for bit, the same row computed alone (one-token decoding).
 #include <ATen/Dispatch.h>
@@ -116,13 +118,20 @@ SPECDEC_INLINE void micro(const Args& a, int64_t m0, int64_t p0) {
 
 template <typename w_t, int NP>
 SPECDEC_INLINE void micro_rows(const Args& a, int rows, int64_t m0, int64_t p0) {
-  switch (rows) {
-    case 1: return micro<w_t, 1, NP>(a, m0, p0);
-    case 2: return micro<w_t, 2, NP>(a, m0, p0);
-    case 3: if constexpr (NP == 1) return micro<w_t, 3, 1>(a, m0, p0); break;
-    case 4: if constexpr (NP == 1) return micro<w_t, 4, 1>(a, m0, p0); break;
-    case 5: if constexpr (NP == 1) return micro<w_t, 5, 1>(a, m0, p0); break;
-    case 6: if constexpr (NP == 1) return micro<w_t, 6, 1>(a, m0, p0); break;
+  if constexpr (NP > 1) {
+    if (rows == 1) return micro<w_t, 1, NP>(a, m0, p0);
+    if (rows == 2) return micro<w_t, 2, NP>(a, m0, p0);
+    // More rows than a wide block holds (panels_per_block never asks for it): one panel at a time.
+    for (int p = 0; p < NP; ++p) micro_rows<w_t, 1>(a, rows, m0, p0 + p);
+  } else {
+    switch (rows) {
+      case 1: return micro<w_t, 1, 1>(a, m0, p0);
+      case 2: return micro<w_t, 2, 1>(a, m0, p0);
+      case 3: return micro<w_t, 3, 1>(a, m0, p0);
+      case 4: return micro<w_t, 4, 1>(a, m0, p0);
+      case 5: return micro<w_t, 5, 1>(a, m0, p0);
+      default: return micro<w_t, 6, 1>(a, m0, p0);  // all_rows never makes blocks of more than six
+    }
   }
 }
 

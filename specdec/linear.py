@@ -76,8 +76,10 @@ def default_max_rows(dtype: torch.dtype, prepack: bool = False) -> int:
       measured up to 256 rows (a [1536, 576] product over 256 rows: 2.4 ms against 2.6 ms fp32 and
       2.9 ms widened bf16). Past that the kernel, which streams all rows of x once per panel, is not
       blocked for cache, so 256 is its limit.
-    fp16 was not measured and shares bf16's limits."""
-    if prepack:
+    fp16 was not measured and shares bf16's limits. Where the CPU has matrix instructions for the dtype
+    (:func:`cpu_has_half_gemm`), torch's own half-precision GEMM is likely faster for many rows: there
+    the packed kernel keeps the skinny kernel's limit (not measured: no such CPU here)."""
+    if prepack and not cpu_has_half_gemm(dtype):
         return 256
     return 16 if dtype == torch.float32 else 64
 
@@ -98,14 +100,15 @@ class SkinnyLinear(nn.Linear):
 
         widen: run half-precision products over more than ``max_rows`` rows through
         :func:`widened_linear` (default: where the CPU lacks bf16/fp16 matrix instructions).
-        prepack: use :func:`specdec.kernels.packed_linear`; the packed weight is built on first use."""
+        prepack: use :func:`specdec.kernels.packed_linear` (the packed weight is built here for CPU
+        weights, else on first use)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         new.weight = linear.weight
         new.bias = linear.bias
         new.max_rows = max_rows
         new.widen = (not cpu_has_half_gemm(linear.weight.dtype)) if widen is None else widen
         new.prepack = prepack
-        new._packed, new._packed_key = None, None
+        new.repack()
         if prepack and linear.weight.device.type == "cpu":
             new.packed_weight()  # now, not in the first forward
         new.train(linear.training)
@@ -115,14 +118,31 @@ class SkinnyLinear(nn.Linear):
         """The weight packed for :func:`specdec.kernels.packed_linear`: ``[ceil(N / 16), K, 16]``.
 
         A plain attribute, not a buffer (``module.to(dtype)`` would convert it without re-packing, and
-        the bf16 layout differs): it is rebuilt whenever the weight's storage, version (in-place
-        updates), dtype or device changes."""
+        the bf16 layout differs). It is rebuilt when the weight is replaced, converted or moved
+        (``.to``), loaded (``load_state_dict``) or updated in place through the Parameter (its version
+        counter). Updates through ``weight.data`` bypass the version counter: call :meth:`repack` after them."""
         w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
-        if self._packed_key != key:
+        version = None if w.is_inference() else w._version  # inference tensors have no version counter
+        src = self._packed_src  # keeps the packed storage alive, so its address cannot be reused
+        if src is None or src.data_ptr() != w.data_ptr() or src.dtype != w.dtype or self._packed_version != version:
             self._packed = pack_linear_weight(w)
-            self._packed_key = key
+            self._packed_src, self._packed_version = w.detach(), version
         return self._packed
+
+    def repack(self) -> None:
+        """Drop the packed weight; the next CPU product rebuilds it."""
+        self._packed = self._packed_src = self._packed_version = None
+
+    def _apply(self, fn, recurse=True):
+        self.repack()  # .to / .half / .cuda: nothing stale or duplicated survives a conversion
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.repack()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_packed": None, "_packed_src": None, "_packed_version": None}  # not pickled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[..., in_features]`` -> ``[..., out_features]``."""
@@ -131,7 +151,7 @@ class SkinnyLinear(nn.Linear):
         k = self.in_features
         if (x.is_cpu and x.dtype == self.weight.dtype
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            if 0 < x.numel() <= self.max_rows * k and x.shape[-1] == k:
+            if 0 < x.numel() <= self.max_rows * k and x.shape[-1] == k > 0:
                 shape = x.shape[:-1] + (self.out_features,)
                 if self.prepack:
                     return _op("packed_linear")(x.reshape(-1, k), self.packed_weight(), self.out_features,
@@ -168,9 +188,11 @@ def apply_linear_kernel(model: nn.Module, kernel: str, device: str) -> bool:
         raise ValueError(f"unknown linear kernel {kernel!r}: use one of {', '.join(LINEAR_KERNELS)}")
     if kernel == "torch":
         return False
-    if kernel == "auto" and not (torch.device(device).type == "cpu" and has_native("packed_linear")):
-        return False
-    prepack = kernel != "skinny"
+    if kernel == "auto":
+        if torch.device(device).type != "cpu" or not (has_native("packed_linear") or has_native("skinny_linear")):
+            return False
+        kernel = "packed" if has_native("packed_linear") else "skinny"  # an older build has skinny only
+    prepack = kernel == "packed"
     _op("packed_linear" if prepack else "skinny_linear")  # fail here, not in the first forward, without the extension
     use_skinny_linear(model, prepack=prepack)
     return True

@@ -98,31 +98,45 @@ def test_pack_layout(dtype):
     second = w[8] if dtype == torch.bfloat16 else w[1]  # slot 1 of panel 0
     assert torch.equal(packed[0, :, 0], w[0]) and torch.equal(packed[0, :, 1], second)
     assert torch.equal(packed[2, :, 0], w[32])
-    assert not packed[2, :, 6:].any() and not packed[2, :, 3].any()  # columns 35..47 (bf16 slot 3 = column 33)
+    cols = 32 + reference.panel_columns(dtype)  # weight column held by each slot of panel 2
+    assert cols.tolist()[:4] == ([32, 40, 33, 41] if dtype == torch.bfloat16 else [32, 33, 34, 35])
+    assert not packed[2, :, cols >= 35].any() and packed[2, :, cols < 35].all()  # zero past N = 35
     assert torch.equal(reference.unpack_linear_weight(packed, 35), w)
 
 
 @native
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_batch_invariant(dtype):
+@pytest.mark.parametrize("k,n", [(203, 150), (17, 4100)])  # (17, 4100): enough panels to split over threads
+def test_packed_batch_invariant(dtype, k, n):
     """Every row of an M-row call equals, bit for bit, the row alone, in any other batch (any row
     blocking: 1, 2, 3-6 and several blocks) and with one thread or two."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(20, 203, generator=g).to(dtype)
-    w = torch.randn(150, 203, generator=g).to(dtype)
-    b = torch.randn(150, generator=g).to(dtype)
+    x = torch.randn(20, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
     packed = pack_linear_weight(w)
-    full = packed_linear(x, packed, 150, b, backend="cpp")
+    full = packed_linear(x, packed, n, b, backend="cpp")
     for i in range(20):
-        assert torch.equal(packed_linear(x[i:i + 1], packed, 150, b, backend="cpp")[0], full[i])
+        assert torch.equal(packed_linear(x[i:i + 1], packed, n, b, backend="cpp")[0], full[i])
     for lo, hi in [(0, 2), (3, 6), (5, 12), (2, 13), (1, 9), (4, 20)]:
-        assert torch.equal(packed_linear(x[lo:hi], packed, 150, b, backend="cpp"), full[lo:hi])
+        assert torch.equal(packed_linear(x[lo:hi], packed, n, b, backend="cpp"), full[lo:hi])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(packed_linear(x, packed, 150, b, backend="cpp"), full)
+        assert torch.equal(packed_linear(x, packed, n, b, backend="cpp"), full)
+        assert torch.equal(packed_linear(x[:1], packed, n, b, backend="cpp"), full[:1])
     finally:
         torch.set_num_threads(threads)
+
+
+@native
+@pytest.mark.parametrize("kernel", ["skinny", "packed"])
+def test_empty_dims(kernel):
+    """K = 0 gives the bias; M = 0 and N = 0 give empty results."""
+    b = torch.randn(5)
+    torch.testing.assert_close(_linear(kernel, torch.randn(3, 0), torch.randn(5, 0), b), b.expand(3, 5))
+    assert _linear(kernel, torch.randn(0, 8), torch.randn(5, 8), b).shape == (0, 5)
+    assert _linear(kernel, torch.randn(2, 8), torch.randn(0, 8), None).shape == (2, 0)
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("cpp", marks=native)])
@@ -145,21 +159,42 @@ def test_packed_bad_input(backend):
 
 @native
 def test_module_prepacked_follows_weight_changes():
-    """The packed copy is rebuilt when the weight changes in place, is replaced, or changes dtype."""
+    """The packed copy is rebuilt when the weight changes in place, is replaced, loaded or converted,
+    and after repack() for changes through ``.data``; it is not pickled or deep-copied."""
     torch.manual_seed(0)
     lin = nn.Linear(40, 24)
     sk = SkinnyLinear.from_linear(lin, max_rows=8, prepack=True)
     x = torch.randn(3, 40)
+
+    def expect():
+        return nn.functional.linear(x.to(sk.weight.dtype).float(), sk.weight.float(), sk.bias.float()).to(sk.weight.dtype)
+
     with torch.no_grad():
         assert torch.equal(sk(x), packed_linear(x, pack_linear_weight(lin.weight), 24, lin.bias))
         lin.weight.mul_(-2.0)  # shared Parameter, updated in place
-        torch.testing.assert_close(sk(x), nn.functional.linear(x, lin.weight, lin.bias))
+        torch.testing.assert_close(sk(x), expect())
         sk.load_state_dict({"weight": torch.randn(24, 40), "bias": torch.zeros(24)})
-        torch.testing.assert_close(sk(x), nn.functional.linear(x, sk.weight, sk.bias))
+        torch.testing.assert_close(sk(x), expect())
+        sk.weight.data.mul_(3.0)  # invisible to the version counter
+        sk.repack()
+        torch.testing.assert_close(sk(x), expect())
         sk.to(torch.bfloat16)  # the bf16 panel layout differs from fp32's: a converted copy would be wrong
-        xb = x.bfloat16()
-        expect = nn.functional.linear(xb.float(), sk.weight.float(), sk.bias.float()).bfloat16()
-        torch.testing.assert_close(sk(xb), expect)
+        torch.testing.assert_close(sk(x.bfloat16()), expect())
+        sk.to(torch.float16).to(torch.float32)  # the new fp32 weight may land at the old address
+        torch.testing.assert_close(sk(x), expect(), atol=1e-5, rtol=1e-5)
+        clone = copy.deepcopy(sk)
+        assert clone._packed is None and sk._packed is not None
+        torch.testing.assert_close(clone(x), sk(x))
+
+
+@native
+def test_prepack_inference_tensors():
+    """Weights created under inference_mode (no version counter) are packed and used."""
+    with torch.inference_mode():
+        lin = nn.Linear(32, 20)
+        sk = SkinnyLinear.from_linear(lin, max_rows=8, prepack=True)
+        x = torch.randn(2, 32)
+        torch.testing.assert_close(sk(x), nn.functional.linear(x, lin.weight, lin.bias))
 
 
 def test_swap_keeps_parameters_and_ties():

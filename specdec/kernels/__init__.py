@@ -17,6 +17,8 @@ Operators:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from specdec.kernels import reference
@@ -167,7 +169,7 @@ def skinny_linear(
     _check(bias is None or tuple(bias.shape) == (weight.shape[0],), f"bias must be [N = {weight.shape[0]}]")
     route = choose("skinny_linear", x.device, backend, ("cpu",))
     if route == "native":
-        y = native_ops().skinny_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        y = native_ops().skinny_linear(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     return reference.skinny_linear(x, weight, bias)
 
@@ -214,7 +216,7 @@ def packed_linear(
     _check(bias is None or tuple(bias.shape) == (n,), f"bias must be [N = {n}]")
     route = choose("packed_linear", x.device, backend, ("cpu",))
     if route == "native":
-        y = native_ops().packed_linear(x.reshape(-1, x.shape[-1]), packed, n, bias)
+        y = native_ops().packed_linear(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), packed, n, bias)
         return y.view(*x.shape[:-1], n)
     return reference.packed_linear(x, packed, n, bias)
 
