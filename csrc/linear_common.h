@@ -47,4 +47,15 @@ inline const float* rows_fp32(const at::Tensor& xc) {
   return widened.data();
 }
 
+// Calls f(scalar_t{}) for the weight dtype, which check_dtypes has limited to fp32, bf16 and fp16
+// (AT_DISPATCH would also instantiate the kernels for fp64).
+template <typename F>
+void dispatch_weight_dtype(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    default: return f(at::Half{});
+  }
+}
+
 }  // namespace specdec::linear

@@ -21,7 +21,6 @@
 // to the output dtype.
 // Which rows share a call, or how they are blocked, never changes that sequence, so row m of a
 // T-row verification equals, bit for bit, the same row computed alone (one-token decoding).
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -200,21 +199,18 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int6
   const float* xf = linear::rows_fp32(xc);
   const auto w = packed.contiguous();
   Args a{xf, w.const_data_ptr(), b.defined() ? b.const_data_ptr<float>() : nullptr, y.mutable_data_ptr(), M, n, K};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "packed_linear", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "packed_linear: fp64 is not supported");
-    } else {
-      using Fn = void (*)(const Args&, int64_t, int64_t);
-      const Fn fn = simd::pick<Fn>(run_avx512<scalar_t>, run_avx2<scalar_t>, run_base<scalar_t>);
-      // Work units are register blocks of panels; a task gets at least ~64K weight elements (below
-      // that, waking the pool costs more than the work).
-      const int64_t unit = panels_per_block(M);
-      const int64_t units = (P + unit - 1) / unit;
-      const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(unit * kPanel * K, 1));
-      at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-        fn(a, begin * unit, std::min(end * unit, P));
-      });
-    }
+  linear::dispatch_weight_dtype(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using Fn = void (*)(const Args&, int64_t, int64_t);
+    const Fn fn = simd::pick<Fn>(run_avx512<scalar_t>, run_avx2<scalar_t>, run_base<scalar_t>);
+    // Work units are register blocks of panels; a task gets at least ~64K weight elements (below
+    // that, waking the pool costs more than the work).
+    const int64_t unit = panels_per_block(M);
+    const int64_t units = (P + unit - 1) / unit;
+    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(unit * kPanel * K, 1));
+    at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+      fn(a, begin * unit, std::min(end * unit, P));
+    });
   });
   return y;
 }

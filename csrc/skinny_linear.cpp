@@ -11,7 +11,6 @@
 // summed lane by lane in a fixed order, then the K % 8 tail, then the bias, then one rounding
 // to the output dtype. That order does not depend on M or on which rows share a call, so row m
 // of a T-row verification equals, bit for bit, the same row computed alone (one-token decoding).
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -159,20 +158,17 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   const float* xf = linear::rows_fp32(xc);
   const auto w = weight.contiguous();
   Args a{xf, w.const_data_ptr(), b.defined() ? b.const_data_ptr<float>() : nullptr, y.mutable_data_ptr(), M, N, K};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "skinny_linear", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "skinny_linear: fp64 is not supported");
-    } else {
-      using Fn = void (*)(const Args&, int64_t, int64_t);
-      const Fn fn = simd::pick<Fn>(rows_avx512<scalar_t>, rows_avx2<scalar_t>, rows_base<scalar_t>);
-      // Tasks of at least ~64K weight elements (in whole micro-kernel blocks): below that, waking
-      // the pool costs more than the work.
-      const int64_t blocks = (N + kUnit - 1) / kUnit;
-      const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K * kUnit, 1));
-      at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-        fn(a, begin * kUnit, std::min(end * kUnit, N));
-      });
-    }
+  linear::dispatch_weight_dtype(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using Fn = void (*)(const Args&, int64_t, int64_t);
+    const Fn fn = simd::pick<Fn>(rows_avx512<scalar_t>, rows_avx2<scalar_t>, rows_base<scalar_t>);
+    // Tasks of at least ~64K weight elements (in whole micro-kernel blocks): below that, waking
+    // the pool costs more than the work.
+    const int64_t blocks = (N + kUnit - 1) / kUnit;
+    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K * kUnit, 1));
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+      fn(a, begin * kUnit, std::min(end * kUnit, N));
+    });
   });
   return y;
 }
