@@ -87,22 +87,27 @@ SPECDEC_INLINE float hsum(vf v) {
 
 // e^x for x <= 0, within 2.5e-7 relative; 0 below -87 and for -inf and NaN. x = n ln2 + g with
 // |g| <= ln2 / 2: e^g by a degree-5 minimax polynomial, 2^n built in the exponent bits.
-SPECDEC_INLINE vf exp_nonpos(vf x) {
+// V: any fp32 vector type (vf, or Lanes<8>::f where 16-lane temporaries would spill on AVX2).
+template <typename V>
+SPECDEC_INLINE V exp_nonpos_v(V x) {
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
   // 1.5 * 2^23 + 127: adding it rounds to an integer and leaves n + 127 in the low mantissa bits.
   constexpr float kMagic = 12582912.0f + 127.0f;
-  const vf xc = vmax(x, splat(-87.0f));
-  const vf t = xc * 1.44269504088896341f + kMagic;
-  const vf n = t - kMagic;
-  const vf g = (xc - n * 0.693359375f) - n * -2.12194440e-4f;  // ln 2 in two parts
-  vf p = splat(8.2903141156e-3f);  // minimax on [-ln2/2, ln2/2] with p(0) = 1 exactly
+  const V lo = V{} - 87.0f;
+  const V xc = x > lo ? x : lo;
+  const V t = xc * 1.44269504088896341f + kMagic;
+  const V n = t - kMagic;
+  const V g = (xc - n * 0.693359375f) - n * -2.12194440e-4f;  // ln 2 in two parts
+  V p = V{} + 8.2903141156e-3f;  // minimax on [-ln2/2, ln2/2] with p(0) = 1 exactly
   p = p * g + 4.1897930205e-2f;
   p = p * g + 1.6667635739e-1f;
   p = p * g + 4.9999150634e-1f;
   p = p * g + 9.9999970198e-1f;
   p = p * g + 1.0f;
-  const vf scale = (vf)((vi)t << 23);
-  return x >= splat(-87.0f) ? p * scale : splat(0.0f);
+  const V scale = (V)((VI)t << 23);
+  return x >= lo ? p * scale : V{};
 }
+SPECDEC_INLINE vf exp_nonpos(vf x) { return exp_nonpos_v(x); }
 
 // fp32 -> bf16 bits with round-to-nearest-even (inputs here are finite).
 SPECDEC_INLINE void store_bf16(uint16_t* p, vf v) {

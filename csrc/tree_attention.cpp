@@ -6,12 +6,17 @@
 // except for the window's lower edge, then the tree's own T keys under the bit-packed ancestor
 // mask, read word by word. An online softmax (running max, sum and fp32 accumulator per query)
 // merges the chunks, which is the log-sum-exp merge of the two attentions; no dense [T, S + T]
-// mask exists. Scores and P.V are BLAS GEMMs; the softmax is vectorised (see simd.h).
+// mask exists.
+//
+// Scores and P.V are small register-blocked GEMMs (the 6 x 16 outer-product micro-kernel of
+// packed_linear.cpp), not BLAS calls: at verification sizes (tens of rows, hundreds of keys, D=64)
+// a BLAS call spends more in dispatch and packing than in FMAs, and on CPUs without bf16 matrix
+// units MKL's bf16 GEMM is a slow emulation. Each chunk's keys are transposed once into fp32 panels
+// of 16 keys, and values are read in place (fp32, or one row block) or widened once into panels.
+// Every product accumulates in fp32, probabilities included.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -19,23 +24,9 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "simd.h"
-
-// The x86 torch wheels link MKL statically into libtorch_cpu and export its BLAS entry points.
-// Weak references use them when present (fp32 GEMM, and bf16/fp16 x bf16/fp16 -> fp32 GEMMs that
-// run on AMX/AVX512-BF16 where the CPU has them) without a link-time dependency; where they are
-// absent the same products go through at::addmm in fp32.
-extern "C" {
-void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
-            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-            const int* ldc) __attribute__((weak));
-void cblas_gemm_bf16bf16f32(int layout, int ta, int tb, int m, int n, int k, float alpha, const uint16_t* a, int lda,
-                            const uint16_t* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
-void cblas_gemm_f16f16f32(int layout, int ta, int tb, int m, int n, int k, float alpha, const uint16_t* a, int lda,
-                          const uint16_t* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
-int MKL_Set_Num_Threads_Local(int n) __attribute__((weak));
-}
 
 namespace specdec {
 namespace {
@@ -43,44 +34,201 @@ namespace {
 using simd::kLanes;
 using simd::kNegInf;
 
-constexpr int64_t kChunk = 512;     // keys per chunk: the [rows, kChunk] fp32 scores stay in L2
-constexpr int64_t kMinRows = 32;    // GEMM rows (heads x queries) worth a task of their own
+constexpr int64_t kChunk = 256;     // keys per chunk: their fp32 panels (kChunk x D) stay in L2
+constexpr int64_t kMinRows = 32;    // rows (heads x queries) worth a task of their own
 constexpr int64_t kMaxRows = 256;   // cap on rows per task (buffers)
 constexpr int64_t kTasksPerThread = 4;
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;  // CBLAS enums
+constexpr int kPanel = 16;          // columns per micro-kernel panel: two 8-lane registers
+constexpr int kBlockRows = 6;       // rows per register block (6 x 2 accumulators)
+
+typedef simd::Lanes<8>::f v8;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// C[M, N] = alpha * A[M, K] . op(B) + beta * C, row-major with leading dimensions; op(B) = B^T
-// when b_nk (B stored [N, K]), else B (stored [K, N]).
-void gemm(bool b_nk, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
-          int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (sgemm_ != nullptr) {  // column-major: C^T = op(B)^T . A^T
-    const int m = N, n = M, k = K, la = ldb, lb = lda, lc = ldc;
-    sgemm_(b_nk ? "T" : "N", "N", &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
-    return;
+// Eight elements widened to fp32.
+template <typename T>
+SPECDEC_INLINE v8 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    v8 v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return simd::load_bf16_n<8>(reinterpret_cast<const uint16_t*>(p));
+  } else {
+    return simd::load_f16_n<8>(reinterpret_cast<const uint16_t*>(p));
   }
-  const auto opts = at::TensorOptions().dtype(at::kFloat);
-  auto a = at::from_blob(const_cast<float*>(A), {M, K}, {lda, 1}, opts);
-  auto b = b_nk ? at::from_blob(const_cast<float*>(B), {N, K}, {ldb, 1}, opts).t()
-                : at::from_blob(const_cast<float*>(B), {K, N}, {ldb, 1}, opts);
-  auto c = at::from_blob(C, {M, N}, {ldc, 1}, opts);
-  at::addmm_out(c, c, a, b, beta, alpha);  // beta = 0 ignores c's contents
+}
+SPECDEC_INLINE void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// r[i][d] -> r[d][i] for an 8 x 8 block (the unpack / shuffle / 128-bit permute ladder).
+SPECDEC_INLINE void transpose8(v8* r) {
+  const v8 t0 = __builtin_shufflevector(r[0], r[1], 0, 8, 1, 9, 4, 12, 5, 13);
+  const v8 t1 = __builtin_shufflevector(r[0], r[1], 2, 10, 3, 11, 6, 14, 7, 15);
+  const v8 t2 = __builtin_shufflevector(r[2], r[3], 0, 8, 1, 9, 4, 12, 5, 13);
+  const v8 t3 = __builtin_shufflevector(r[2], r[3], 2, 10, 3, 11, 6, 14, 7, 15);
+  const v8 t4 = __builtin_shufflevector(r[4], r[5], 0, 8, 1, 9, 4, 12, 5, 13);
+  const v8 t5 = __builtin_shufflevector(r[4], r[5], 2, 10, 3, 11, 6, 14, 7, 15);
+  const v8 t6 = __builtin_shufflevector(r[6], r[7], 0, 8, 1, 9, 4, 12, 5, 13);
+  const v8 t7 = __builtin_shufflevector(r[6], r[7], 2, 10, 3, 11, 6, 14, 7, 15);
+  const v8 u0 = __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13);
+  const v8 u1 = __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15);
+  const v8 u2 = __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13);
+  const v8 u3 = __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15);
+  const v8 u4 = __builtin_shufflevector(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13);
+  const v8 u5 = __builtin_shufflevector(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15);
+  const v8 u6 = __builtin_shufflevector(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13);
+  const v8 u7 = __builtin_shufflevector(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
+  r[0] = __builtin_shufflevector(u0, u4, 0, 1, 2, 3, 8, 9, 10, 11);
+  r[4] = __builtin_shufflevector(u0, u4, 4, 5, 6, 7, 12, 13, 14, 15);
+  r[1] = __builtin_shufflevector(u1, u5, 0, 1, 2, 3, 8, 9, 10, 11);
+  r[5] = __builtin_shufflevector(u1, u5, 4, 5, 6, 7, 12, 13, 14, 15);
+  r[2] = __builtin_shufflevector(u2, u6, 0, 1, 2, 3, 8, 9, 10, 11);
+  r[6] = __builtin_shufflevector(u2, u6, 4, 5, 6, 7, 12, 13, 14, 15);
+  r[3] = __builtin_shufflevector(u3, u7, 0, 1, 2, 3, 8, 9, 10, 11);
+  r[7] = __builtin_shufflevector(u3, u7, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-template <typename half_t>
-void gemm(bool b_nk, int64_t M, int64_t N, int64_t K, float alpha, const half_t* A, int64_t lda, const half_t* B,
-          int64_t ldb, float beta, float* C, int64_t ldc) {
-  auto* fn = std::is_same_v<half_t, at::BFloat16> ? cblas_gemm_bf16bf16f32 : cblas_gemm_f16f16f32;
-  fn(kRowMajor, kNoTrans, b_nk ? kTrans : kNoTrans, M, N, K, alpha, reinterpret_cast<const uint16_t*>(A), lda,
-     reinterpret_cast<const uint16_t*>(B), ldb, beta, C, ldc);
-}
-
+// kp[p, d, s] = k[(16 p + s) * stride + d] widened, 0 for keys >= n: a chunk's keys as fp32 panels
+// of 16 keys with one 16-wide step per head dimension (the B operand of the scores micro-kernel).
 template <typename scalar_t>
-bool has_native_gemm() {
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) return cblas_gemm_bf16bf16f32 != nullptr;
-  if constexpr (std::is_same_v<scalar_t, at::Half>) return cblas_gemm_f16f16f32 != nullptr;
-  return true;
+SPECDEC_INLINE void pack_keys(const scalar_t* k, int64_t stride, int64_t n, int64_t D, float* kp) {
+  const int64_t n_pad = round_up(n, kPanel);
+  for (int64_t j0 = 0; j0 < n_pad; j0 += 8) {
+    float* dst = kp + (j0 / kPanel) * D * kPanel + j0 % kPanel;
+    const int64_t rows = std::clamp<int64_t>(n - j0, 0, 8);
+    int64_t d0 = 0;
+    if (rows == 8) {
+      for (; d0 + 8 <= D; d0 += 8) {
+        v8 r[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) r[i] = load8(k + (j0 + i) * stride + d0);
+        transpose8(r);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) store8(dst + (d0 + i) * kPanel, r[i]);
+      }
+    }
+    for (; d0 < D; ++d0)
+      for (int64_t i = 0; i < 8; ++i)
+        dst[d0 * kPanel + i] = i < rows ? static_cast<float>(k[(j0 + i) * stride + d0]) : 0.0f;
+  }
+}
+
+// vp[p, j, s] = v[j * stride + 16 p + s] widened, 0 past D: a chunk's values as fp32 panels of 16
+// head dims (the B operand of the P.V micro-kernel), so that every row block reads them without
+// widening them again.
+template <typename scalar_t>
+SPECDEC_INLINE void pack_values(const scalar_t* v, int64_t stride, int64_t n, int64_t D, float* vp) {
+  const int64_t P = (D + kPanel - 1) / kPanel;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t d0 = p * kPanel;
+    float* dst = vp + p * n * kPanel;
+    if (d0 + kPanel <= D) {
+      for (int64_t j = 0; j < n; ++j) {
+        store8(dst + j * kPanel, load8(v + j * stride + d0));
+        store8(dst + j * kPanel + 8, load8(v + j * stride + d0 + 8));
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t s = 0; s < kPanel; ++s)
+          dst[j * kPanel + s] = d0 + s < D ? static_cast<float>(v[j * stride + d0 + s]) : 0.0f;
+    }
+  }
+}
+
+// Broadcast of one float (one vbroadcastss from memory inside the target clones; see packed_linear.cpp).
+SPECDEC_INLINE v8 broadcast8(const float* p) {
+  const v8 t = {*p};
+  return __builtin_shufflevector(t, t, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+// The B operand of a small GEMM, as panels of 16 columns: column 16 p + c at step k is
+// w[p * step_p + k * step_k + c] (16 contiguous elements per panel step).
+template <typename w_t>
+struct Panels {
+  const w_t* w;
+  int64_t step_k, step_p;
+};
+
+enum class Epilogue { kScale, kAdd };  // out = scale * x.w, or out += x.w
+
+// out[m0 + m, 16 (p0 + p) + c] for MR rows of x [., K] (fp32, row stride ldx) and NP panels:
+// the outer-product micro-kernel of packed_linear.cpp, with MR x NP x 2 accumulators in registers.
+template <typename w_t, int MR, int NP, Epilogue E>
+SPECDEC_INLINE void micro(const float* x, int64_t ldx, int64_t K, Panels<w_t> b, float* out, int64_t ldo, float scale,
+                          int64_t m0, int64_t p0) {
+  const float* xr = x + m0 * ldx;
+  const w_t* w = b.w + p0 * b.step_p;
+  v8 acc[MR][NP][2] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    v8 wv[NP][2];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      wv[p][0] = load8(w + p * b.step_p + k * b.step_k);
+      wv[p][1] = load8(w + p * b.step_p + k * b.step_k + 8);
+    }
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m) {
+      const v8 xb = broadcast8(xr + m * ldx + k);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) {
+        acc[m][p][0] += xb * wv[p][0];
+        acc[m][p][1] += xb * wv[p][1];
+      }
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      float* o = out + (m0 + m) * ldo + (p0 + p) * kPanel;
+      if constexpr (E == Epilogue::kScale) {
+        store8(o, acc[m][p][0] * scale);
+        store8(o + 8, acc[m][p][1] * scale);
+      } else {
+        store8(o, load8(o) + acc[m][p][0]);
+        store8(o + 8, load8(o + 8) + acc[m][p][1]);
+      }
+    }
+}
+
+// Rows [m0, m0 + MR) against panels [p, p + NP), or one panel at a time for the last few panels.
+template <typename w_t, Epilogue E, int MR, int NP>
+SPECDEC_INLINE void row_block(const float* x, int64_t ldx, int64_t K, Panels<w_t> b, int64_t P, float* out,
+                              int64_t ldo, float scale, int64_t m0, int64_t p) {
+  if (p + NP <= P) return micro<w_t, MR, NP, E>(x, ldx, K, b, out, ldo, scale, m0, p);
+  for (; p < P; ++p) micro<w_t, MR, 1, E>(x, ldx, K, b, out, ldo, scale, m0, p);
+}
+
+// out[M, 16 P] (=, +=) x[M, K] . B over P panels of B. Panels outer (one panel's steps stay in L1
+// while every row block reads them), rows in near-equal blocks of at most six. NP panels per
+// register block: 4 at one row, 2 at two or three, else 1 (eight or more FMA chains in flight).
+template <typename w_t, Epilogue E, int NP>
+SPECDEC_INLINE void small_gemm_np(const float* x, int64_t ldx, int64_t M, int64_t K, Panels<w_t> b, int64_t P,
+                                  float* out, int64_t ldo, float scale) {
+  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
+  for (int64_t p = 0; p < P; p += NP) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int rows = static_cast<int>(M / blocks + (i < M % blocks));
+      switch (rows) {
+        case 1: row_block<w_t, E, 1, NP>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
+        case 2: row_block<w_t, E, 2, NP>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
+        case 3: row_block<w_t, E, 3, NP>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
+        case 4: row_block<w_t, E, 4, (NP > 1 ? 1 : NP)>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
+        case 5: row_block<w_t, E, 5, (NP > 1 ? 1 : NP)>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
+        default: row_block<w_t, E, 6, (NP > 1 ? 1 : NP)>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
+      }
+      m += rows;
+    }
+  }
+}
+
+template <typename w_t, Epilogue E>
+SPECDEC_INLINE void small_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, Panels<w_t> b, int64_t P,
+                               float* out, int64_t ldo, float scale) {
+  if (M == 1) return small_gemm_np<w_t, E, 4>(x, ldx, M, K, b, P, out, ldo, scale);
+  if (M <= 3) return small_gemm_np<w_t, E, 2>(x, ldx, M, K, b, P, out, ldo, scale);
+  small_gemm_np<w_t, E, 1>(x, ldx, M, K, b, P, out, ldo, scale);
 }
 
 struct Strides {
@@ -99,92 +247,93 @@ struct Args {
   void* out;             // [B, Hq, T, D] contiguous
 };
 
-// Turns one chunk of scores into probabilities and folds them into the running softmax state.
-// S: [M, lds] fp32 scores (n valid columns, padded here with -inf); m, l: [M] running max and sum;
-// acc: [M, D] fp32 output accumulator, rescaled to the new max; P: [M, ldp] probabilities for the
-// P.V GEMM (may alias S when gemm_t is float).
-template <typename gemm_t>
+// Turns one chunk of scores into probabilities, in place, and folds them into the running softmax
+// state. S: [M, lds] fp32 scores (n valid columns, padded here with -inf); m, l: [M] running max and
+// sum; acc: [M, ldacc] fp32 output accumulator (D columns used), rescaled to the new max.
 SPECDEC_INLINE void softmax_chunk(float* S, int64_t M, int64_t n, int64_t lds, float* m, float* l, float* acc,
-                                  int64_t D, gemm_t* P, int64_t ldp) {
-  using namespace simd;
+                                  int64_t D, int64_t ldacc) {
+  // 8-lane vectors: 16-lane temporaries of the exponential spill on AVX2's 16 registers.
   const int64_t n_pad = round_up(n, kLanes);
+  const v8 neg_inf = v8{} + kNegInf;
   for (int64_t r = 0; r < M; ++r) {
     float* row = S + r * lds;
-    gemm_t* prow = P + r * ldp;
     for (int64_t j = n; j < n_pad; ++j) row[j] = kNegInf;
-    vf mx = splat(kNegInf);
-    for (int64_t j = 0; j < n_pad; j += kLanes) mx = vmax(load(row + j), mx);
-    const float cm = hmax(mx);
+    v8 mx0 = neg_inf, mx1 = neg_inf;
+    for (int64_t j = 0; j < n_pad; j += 16) {
+      const v8 a0 = load8(row + j), a1 = load8(row + j + 8);
+      mx0 = a0 > mx0 ? a0 : mx0;
+      mx1 = a1 > mx1 ? a1 : mx1;
+    }
+    mx0 = mx0 > mx1 ? mx0 : mx1;
+    float cm = mx0[0];
+    for (int q = 1; q < 8; ++q) cm = mx0[q] > cm ? mx0[q] : cm;
     if (cm == kNegInf) {  // nothing visible in this chunk
-      std::memset(static_cast<void*>(prow), 0, n_pad * sizeof(gemm_t));
+      std::memset(row, 0, n_pad * sizeof(float));
       continue;
     }
     const float m_new = std::max(m[r], cm);
-    const vf mv = splat(m_new);
-    vf s = splat(0.0f);
-    for (int64_t j = 0; j < n_pad; j += kLanes) {
-      const vf e = exp_nonpos(load(row + j) - mv);
-      s += e;
-      if constexpr (std::is_same_v<gemm_t, float>) {
-        store(prow + j, e);
-      } else if constexpr (std::is_same_v<gemm_t, at::BFloat16>) {
-        store_bf16(reinterpret_cast<uint16_t*>(prow + j), e);
-      } else {
-        for (int q = 0; q < kLanes; ++q) prow[j + q] = static_cast<gemm_t>(e[q]);
-      }
+    const v8 mv = v8{} + m_new;
+    v8 s0 = v8{}, s1 = v8{};
+    for (int64_t j = 0; j < n_pad; j += 16) {
+      const v8 e0 = simd::exp_nonpos_v(load8(row + j) - mv);
+      const v8 e1 = simd::exp_nonpos_v(load8(row + j + 8) - mv);
+      s0 += e0;
+      s1 += e1;
+      store8(row + j, e0);
+      store8(row + j + 8, e1);
     }
+    s0 += s1;
+    float sum = 0.0f;
+    for (int q = 0; q < 8; ++q) sum += s0[q];
     const float corr = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
-    l[r] = l[r] * corr + hsum(s);
+    l[r] = l[r] * corr + sum;
     if (corr != 1.0f) {
-      float* a = acc + r * D;
+      float* a = acc + r * ldacc;
       for (int64_t d = 0; d < D; ++d) a[d] *= corr;
     }
     m[r] = m_new;
   }
 }
 
-// Rows [n, D] of a strided source into a dense gemm_t buffer (a conversion when the types differ).
-template <typename gemm_t, typename scalar_t>
-SPECDEC_INLINE const gemm_t* rows_as(const scalar_t* src, int64_t stride, int64_t n, int64_t D, gemm_t* buf,
-                                     int64_t& ld) {
-  if constexpr (std::is_same_v<gemm_t, scalar_t>) {
-    ld = stride;
-    return src;
-  } else {
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = 0; d < D; ++d) buf[i * D + d] = static_cast<gemm_t>(src[i * stride + d]);
-    ld = D;
-    return buf;
-  }
-}
-
 // One task: row b, kv head hk, tree queries [t0, t1) of every head in the group; G * tb = M rows,
-// row r = g * tb + i being query head hk * G + g at tree position t0 + i.
-template <typename gemm_t>
+// row r = g * tb + i being query head hk * G + g at tree position t0 + i. Buffers live in a
+// per-thread workspace that only grows (a key panel buffer is too big to allocate per call).
 struct Task {
-  int64_t b, hk, t0, tb, M, D, ld;  // ld: row stride of the score and probability buffers
-  std::unique_ptr<gemm_t[]> q;           // [M, D] queries
-  std::unique_ptr<float[]> S, acc, m, l;  // [M, ld] scores, [M, D] accumulator, [M] running max and sum
-  std::unique_ptr<gemm_t[]> P;           // [M, ld] probabilities (null when gemm_t is float: P is S)
-  std::unique_ptr<gemm_t[]> kv;          // [2, kChunk, D] converted keys and values, or null
-  std::unique_ptr<float[]> bias;         // [ld] additive mask row (0 or -inf) of one query
+  int64_t b, hk, t0, tb, M, D, Dp, ld;  // Dp: D rounded up to panels; ld: row stride of the scores
+  float* q;     // [M, D] queries
+  float* S;     // [M, ld] scores, then probabilities
+  float* acc;   // [M, Dp] accumulator
+  float *m, *l; // [M] running max and sum
+  float* kp;    // [kChunk / 16, D, 16] the chunk's keys as panels
+  float* vp;    // [Dp / 16, kChunk, 16] the chunk's values as panels (unless read in place)
+  float* bias;  // [ld] additive mask row (0 or -inf) of one query
 
-  Task(const Args& a, int64_t item, bool convert)
+  Task(const Args& a, int64_t item)
       : b(item / (a.Hkv * a.blocks)), hk((item / a.blocks) % a.Hkv), t0((item % a.blocks) * a.tb),
-        tb(std::max<int64_t>(0, std::min(a.T, t0 + a.tb) - t0)), M(a.G * tb), D(a.D), ld(kChunk + kLanes),
-        q(new gemm_t[M * D]), S(new float[M * ld]), acc(new float[M * D]()), m(new float[M]), l(new float[M]()),
-        P(std::is_same_v<gemm_t, float> ? nullptr : new gemm_t[M * ld]),
-        kv(convert ? new gemm_t[2 * kChunk * D] : nullptr), bias(new float[ld]) {
-    std::fill(m.get(), m.get() + M, kNegInf);
+        tb(std::max<int64_t>(0, std::min(a.T, t0 + a.tb) - t0)), M(a.G * tb), D(a.D), Dp(round_up(a.D, kPanel)),
+        ld(kChunk + kLanes) {
+    static thread_local std::vector<float> workspace;
+    const int64_t sizes[] = {M * D, M * ld, M * Dp, M, M, kChunk * D, Dp * kChunk, ld};
+    int64_t total = 0;
+    for (int64_t s : sizes) total += round_up(s, kLanes);
+    if (static_cast<int64_t>(workspace.size()) < total) workspace.resize(total);
+    float* p = workspace.data();
+    float** slots[] = {&q, &S, &acc, &m, &l, &kp, &vp, &bias};
+    for (int i = 0; i < 8; ++i) {
+      *slots[i] = p;
+      p += round_up(sizes[i], kLanes);
+    }
+    std::fill(acc, acc + M * Dp, 0.0f);
+    std::fill(m, m + M, kNegInf);
+    std::fill(l, l + M, 0.0f);
   }
-  gemm_t* probs() { return P ? P.get() : reinterpret_cast<gemm_t*>(S.get()); }
-  float* row(int64_t g, int64_t i) { return S.get() + (g * tb + i) * ld; }
+  float* row(int64_t g, int64_t i) { return S + (g * tb + i) * ld; }
 };
 
 // A run of keys laid out at rows [v0, v1) of kbase/vbase: rows before `split` are prefix keys
 // (key position = row), rows from `split` on are tree keys (tree index = row - split). The prefix
 // and the tree form one segment when the tree follows the valid prefix in memory (the runtime's
-// layout for aligned rows), so each chunk costs one pair of GEMMs instead of two.
+// layout for aligned rows), so each chunk is one pass instead of two.
 template <typename scalar_t>
 struct Segment {
   const scalar_t *k, *v;
@@ -193,8 +342,7 @@ struct Segment {
 
 // Hides prefix keys at columns [j0, j0 + n) (positions p0..) below each query's window: query i
 // sees keys at positions > pos_i - window.
-template <typename gemm_t>
-SPECDEC_INLINE void mask_prefix(Task<gemm_t>& w, const Args& a, int64_t p0, int64_t j0, int64_t n) {
+SPECDEC_INLINE void mask_prefix(Task& w, const Args& a, int64_t p0, int64_t j0, int64_t n) {
   if (!a.pos) return;
   for (int64_t i = 0; i < w.tb; ++i) {
     const int64_t hidden = std::min(n, a.pos[w.b * a.T + w.t0 + i] - a.window + 1 - p0);
@@ -204,8 +352,7 @@ SPECDEC_INLINE void mask_prefix(Task<gemm_t>& w, const Args& a, int64_t p0, int6
 
 // Hides tree keys at columns [j0, j0 + n) (tree indices c0..) that are not ancestors (or self) of
 // each query, or out of its window. Columns past j0 + n may be set to -inf (they are padding).
-template <typename gemm_t>
-SPECDEC_INLINE void mask_tree(Task<gemm_t>& w, const Args& a, int64_t c0, int64_t j0, int64_t n) {
+SPECDEC_INLINE void mask_tree(Task& w, const Args& a, int64_t c0, int64_t j0, int64_t n) {
   using namespace simd;
   const int64_t n_pad = round_up(n, kLanes);
   const int64_t* pos = a.pos ? a.pos + w.b * a.T : nullptr;
@@ -217,7 +364,7 @@ SPECDEC_INLINE void mask_tree(Task<gemm_t>& w, const Args& a, int64_t c0, int64_
       continue;
     }
     // One additive row (0 visible, -inf hidden) per query, added to its G heads' rows.
-    float* bias = w.bias.get();
+    float* bias = w.bias;
     const int32_t* words = a.mask ? a.mask + (w.b * a.T + t) * a.W : nullptr;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t col = c0 + j;
@@ -234,31 +381,37 @@ SPECDEC_INLINE void mask_tree(Task<gemm_t>& w, const Args& a, int64_t c0, int64_
 }
 
 // Keys at rows [c0, c0 + n) of a segment: scores, mask, online softmax, acc += P . V.
-template <typename scalar_t, typename gemm_t>
-SPECDEC_INLINE void chunk(Task<gemm_t>& w, const Args& a, const Segment<scalar_t>& seg, int64_t c0, int64_t n) {
-  const int64_t M = w.M, D = w.D, ld = w.ld;
-  int64_t ldk, ldv;
-  const gemm_t* k = rows_as<gemm_t>(seg.k + c0 * seg.stride_k, seg.stride_k, n, D, w.kv.get(), ldk);
-  gemm(true, M, n, D, a.scale, w.q.get(), D, k, ldk, 0.0f, w.S.get(), ld);
+template <typename scalar_t>
+SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, int64_t c0, int64_t n) {
+  const int64_t M = w.M, D = w.D, Dp = w.Dp, ld = w.ld;
+  pack_keys(seg.k + c0 * seg.stride_k, seg.stride_k, n, D, w.kp);
+  small_gemm<float, Epilogue::kScale>(w.q, D, M, D, Panels<float>{w.kp, kPanel, D * kPanel},
+                                      (n + kPanel - 1) / kPanel, w.S, ld, a.scale);
   const int64_t n_prefix = std::clamp<int64_t>(seg.split - c0, 0, n);
   if (n_prefix > 0) mask_prefix(w, a, c0, 0, n_prefix);
   if (n_prefix < n) mask_tree(w, a, c0 + n_prefix - seg.split, n_prefix, n - n_prefix);
-  softmax_chunk<gemm_t>(w.S.get(), M, n, ld, w.m.get(), w.l.get(), w.acc.get(), D, w.probs(), ld);
-  gemm_t* vbuf = w.kv ? w.kv.get() + kChunk * D : nullptr;
-  const gemm_t* v = rows_as<gemm_t>(seg.v + c0 * seg.stride_v, seg.stride_v, n, D, vbuf, ldv);
-  gemm(false, M, D, n, 1.0f, w.probs(), ld, v, ldv, 1.0f, w.acc.get(), D);
+  softmax_chunk(w.S, M, n, ld, w.m, w.l, w.acc, D, Dp);
+  const scalar_t* v = seg.v + c0 * seg.stride_v;
+  // Value rows are panels of 16 dims one row apart: read them in place when they need no widening,
+  // or when one row block reads them once anyway.
+  if (D % kPanel == 0 && (std::is_same_v<scalar_t, float> || M <= kBlockRows)) {
+    small_gemm<scalar_t, Epilogue::kAdd>(w.S, ld, M, n, Panels<scalar_t>{v, seg.stride_v, kPanel}, D / kPanel, w.acc,
+                                         Dp, 1.0f);
+  } else {
+    pack_values(v, seg.stride_v, n, D, w.vp);
+    small_gemm<float, Epilogue::kAdd>(w.S, ld, M, n, Panels<float>{w.vp, kPanel, n * kPanel}, Dp / kPanel, w.acc, Dp,
+                                      1.0f);
+  }
 }
 
-template <typename scalar_t, typename gemm_t>
-SPECDEC_INLINE void attend_segment(Task<gemm_t>& w, const Args& a, const Segment<scalar_t>& seg) {
+template <typename scalar_t>
+SPECDEC_INLINE void attend_segment(Task& w, const Args& a, const Segment<scalar_t>& seg) {
   for (int64_t c0 = seg.v0; c0 < seg.v1; c0 += kChunk) chunk(w, a, seg, c0, std::min(kChunk, seg.v1 - c0));
 }
 
-// gemm_t is scalar_t when a native GEMM of that type exists (fp32, bf16/fp16 -> fp32 MKL), else
-// float (inputs converted per chunk).
-template <typename scalar_t, typename gemm_t>
+template <typename scalar_t>
 SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
-  Task<gemm_t> w(a, item, !std::is_same_v<gemm_t, scalar_t>);
+  Task w(a, item);
   if (w.tb == 0) return;
   const int64_t b = w.b, hk = w.hk, t0 = w.t0, tb = w.tb, G = a.G, D = a.D;
 
@@ -266,11 +419,8 @@ SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < tb; ++i) {
       const scalar_t* src = q + b * a.sq.b + (hk * G + g) * a.sq.h + (t0 + i) * a.sq.t;
-      gemm_t* dst = w.q.get() + (g * tb + i) * D;
-      if constexpr (std::is_same_v<gemm_t, scalar_t>)
-        std::memcpy(static_cast<void*>(dst), src, D * sizeof(gemm_t));
-      else
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<gemm_t>(src[d]);
+      float* dst = w.q + (g * tb + i) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
     }
 
   // Prefix keys [lo, L), lo the lowest position any query's window reaches.
@@ -312,35 +462,30 @@ SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
       const int64_t r = g * tb + i;
       const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;  // no visible key (not a valid tree): zeros
       scalar_t* dst = out + ((b * a.Hq + hk * G + g) * a.T + t0 + i) * D;
-      const float* src = w.acc.get() + r * D;
+      const float* src = w.acc + r * w.Dp;
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(src[d] * inv);
     }
 }
 
-template <typename scalar_t, typename gemm_t>
+template <typename scalar_t>
 SPECDEC_TARGET_AVX512 void attend_avx512(const Args& a, int64_t item) {
-  attend_block<scalar_t, gemm_t>(a, item);
+  attend_block<scalar_t>(a, item);
 }
-template <typename scalar_t, typename gemm_t>
+template <typename scalar_t>
 SPECDEC_TARGET_AVX2 void attend_avx2(const Args& a, int64_t item) {
-  attend_block<scalar_t, gemm_t>(a, item);
+  attend_block<scalar_t>(a, item);
 }
-template <typename scalar_t, typename gemm_t>
+template <typename scalar_t>
 void attend_base(const Args& a, int64_t item) {
-  attend_block<scalar_t, gemm_t>(a, item);
+  attend_block<scalar_t>(a, item);
 }
 
-template <typename scalar_t, typename gemm_t>
+template <typename scalar_t>
 void run(const Args& a) {
   using Fn = void (*)(const Args&, int64_t);
-  const Fn fn =
-      simd::pick<Fn>(attend_avx512<scalar_t, gemm_t>, attend_avx2<scalar_t, gemm_t>, attend_base<scalar_t, gemm_t>);
+  const Fn fn = simd::pick<Fn>(attend_avx512<scalar_t>, attend_avx2<scalar_t>, attend_base<scalar_t>);
   at::parallel_for(0, a.B * a.Hkv * a.blocks, 1, [&](int64_t begin, int64_t end) {
-    // Each task's GEMMs are small: keep MKL single-threaded in them (an MKL thread team per tiny
-    // GEMM, spinning against the pool's threads on a busy machine, made calls up to 100x slower).
-    const int prev = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
     for (int64_t item = begin; item < end; ++item) fn(a, item);
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(prev);
   });
 }
 
@@ -433,11 +578,11 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache_
   a.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
   a.out = out.mutable_data_ptr();
   if (dtype == at::kFloat) {
-    run<float, float>(a);
+    run<float>(a);
   } else if (dtype == at::kBFloat16) {
-    has_native_gemm<at::BFloat16>() ? run<at::BFloat16, at::BFloat16>(a) : run<at::BFloat16, float>(a);
+    run<at::BFloat16>(a);
   } else {
-    has_native_gemm<at::Half>() ? run<at::Half, at::Half>(a) : run<at::Half, float>(a);
+    run<at::Half>(a);
   }
   return out;
 }

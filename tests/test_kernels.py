@@ -142,6 +142,26 @@ def test_tree_attention_head_dims_and_gqa(dtype, d, ratio):
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [24, 64])
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("window", [None, 300])
+def test_tree_attention_long_prefix(dtype, d, t, window):
+    """Prefixes of several key chunks (the CPU kernel packs 256 keys at a time), a ragged last chunk,
+    row blocks of more than six heads x queries (GQA 3, up to 24 rows), head dims that are not a
+    multiple of the 16-wide panels, and a window that starts inside a chunk."""
+    b, hkv, ratio, s = 2, 2, 3, 640
+    cache_lens = [600, 257]
+    parents = [[-1] + [(i - 1) // 2 for i in range(1, t)], list(range(-1, t - 1))]
+    q, k_cache, v_cache, lens, k_tree, v_tree, vis, mask, positions = build_attention(
+        b, hkv, ratio, d, t, s, cache_lens, parents, dtype, 7 * d + t)
+    pos_t = torch.tensor(positions, dtype=torch.int64)
+    got = K.tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, mask,
+                           tree_positions=pos_t if window else None, window=window)
+    want = naive_tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, vis, positions, window)
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
 def test_tree_attention_none_mask_is_causal_chain():
     b, hkv, ratio, d, t, s = 3, 2, 4, 16, 9, 12
     cache_lens = [0, 5, 12]

@@ -78,17 +78,25 @@ def test_one_token_step_route(dtype, monkeypatch):
     real = specdec.model.kernels.tree_attention
     monkeypatch.setattr(specdec.model.kernels, "tree_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
 
-    def one_step(attention):
+    def one_step(attention, model=model, token=None):
         runner = ModelRunner(model, attention=attention)
         runner.reset(1, 40)
         first, _ = runner.prefill(prompt, torch.tensor([prompt.shape[1]]))
         calls.clear()
-        logits, _ = runner.forward_tree(DraftTree.chain(first.argmax(-1), torch.zeros(1, 0, dtype=torch.long)))
-        return logits, len(calls)
+        token = first.argmax(-1) if token is None else token
+        logits, _ = runner.forward_tree(DraftTree.chain(token, torch.zeros(1, 0, dtype=torch.long)))
+        return logits.float(), len(calls), token
 
-    want, sdpa_calls = one_step("sdpa")
-    got, kernel_calls = one_step("kernel")
+    want, sdpa_calls, token = one_step("sdpa")
+    got, kernel_calls, _ = one_step("kernel", token=token)
     assert sdpa_calls == 0
     assert kernel_calls == (0 if dtype == torch.float32 else model.config.num_hidden_layers)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    else:
+        # Half-precision paths round differently (SDPA rounds the probabilities to bf16, the kernel
+        # keeps them in fp32), so both are held against the same weights run in fp32: the kernel's
+        # error must be of SDPA's size, not larger.
+        truth, _, _ = one_step("sdpa", copy.deepcopy(model).float(), token)
+        sdpa_err, kernel_err = (want - truth).abs().max().item(), (got - truth).abs().max().item()
+        assert kernel_err <= 1.5 * sdpa_err + 1e-3, (kernel_err, sdpa_err)
