@@ -241,7 +241,7 @@ CASES: list[tuple[str, Callable[[], Case]]] = [
     ("topk_entropy-bf16", lambda: topk_entropy_case(torch.bfloat16)),
     ("kv_compact", kv_compact_case),
     *((f"tree_attention-T{t}-{name}", functools.partial(tree_attention_case, t, dt))
-      for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for t in (16, 64, 128)),
+      for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for t in (1, 8, 16, 64, 128)),
     ("tree_verify_greedy-typical", lambda: tree_verify_case("typical")),
     ("tree_verify_greedy-all", lambda: tree_verify_case("all")),
     *((f"skinny_linear-M{m}-{name}", functools.partial(skinny_linear_case, m, dt))

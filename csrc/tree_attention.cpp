@@ -35,7 +35,7 @@ using simd::kLanes;
 using simd::kNegInf;
 
 constexpr int64_t kChunk = 256;     // keys per chunk: their fp32 panels (kChunk x D) stay in L2
-constexpr int64_t kMinRows = 32;    // rows (heads x queries) worth a task of their own
+constexpr int64_t kMinRows = 12;    // rows (heads x queries) worth a task of their own (two row blocks)
 constexpr int64_t kMaxRows = 256;   // cap on rows per task (buffers)
 constexpr int64_t kTasksPerThread = 4;
 constexpr int kPanel = 16;          // columns per micro-kernel panel: two 8-lane registers
@@ -489,7 +489,7 @@ void run(const Args& a) {
   });
 }
 
-// Query blocks per (row, kv head): each block's GEMMs at least kMinRows tall (when T allows) and
+// Query blocks per (row, kv head): each block at least kMinRows tall (when T allows) and
 // at most kMaxRows; among the splits that give every thread at least two tasks, the first whose
 // task count is a multiple of the thread count (no straggler), else about kTasksPerThread each.
 int64_t query_blocks(int64_t bh, int64_t G, int64_t T, int64_t threads) {
