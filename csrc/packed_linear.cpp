@@ -32,40 +32,15 @@
 #include <optional>
 
 #include "linear_common.h"
+#include "panel_gemm.h"
 #include "simd.h"
 
 namespace specdec {
 namespace {
 
-constexpr int kPanel = 16;  // columns per panel: two 8-lane registers
-constexpr int kMaxRows = 6;  // rows per register block (6 x 2 accumulators + 2 weights + 1 broadcast)
-
-typedef simd::Lanes<8>::f v8;
+using panel::kPanel;
+using panel::v8;
 typedef simd::Lanes<8>::i v8i;
-
-// Broadcast of one float. Written this way GCC emits one vbroadcastss from memory inside the
-// target clones; {s, s, ...} or a memcpy into a vector is built lane by lane there.
-SPECDEC_INLINE v8 splat8(const float* p) {
-  const v8 t = {*p};
-  return __builtin_shufflevector(t, t, 0, 0, 0, 0, 0, 0, 0, 0);
-}
-
-// One panel step (16 weights) widened to fp32: columns 0-7 in lo, 8-15 in hi.
-template <typename w_t>
-SPECDEC_INLINE void load_panel(const w_t* p, v8& lo, v8& hi) {
-  if constexpr (std::is_same_v<w_t, float>) {
-    std::memcpy(&lo, p, sizeof(v8));
-    std::memcpy(&hi, p + 8, sizeof(v8));
-  } else if constexpr (std::is_same_v<w_t, at::BFloat16>) {
-    v8i v;
-    std::memcpy(&v, p, sizeof(v));
-    lo = (v8)(v << 16);
-    hi = (v8)(v & static_cast<int32_t>(0xFFFF0000u));
-  } else {
-    lo = simd::load_f16_n<8>(reinterpret_cast<const uint16_t*>(p));
-    hi = simd::load_f16_n<8>(reinterpret_cast<const uint16_t*>(p) + 8);
-  }
-}
 
 struct Args {
   const float* x;  // [M, K] fp32 (x widened once per call)
@@ -75,98 +50,44 @@ struct Args {
   int64_t M, N, K;
 };
 
-// Stores one panel's 16 accumulators of one row: bias, one rounding, columns past N dropped.
+// The micro-kernel's view of a packed weight: panel steps widened from the packed layout, sums
+// stored with the bias, one rounding, columns past N dropped.
 template <typename w_t>
-SPECDEC_INLINE void store_panel(const Args& a, int64_t m, int64_t p, v8 lo, v8 hi) {
-  float v[kPanel];
-  std::memcpy(v, &lo, sizeof(lo));
-  std::memcpy(v + 8, &hi, sizeof(hi));
-  const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, a.N - n0);
-  w_t* out = static_cast<w_t*>(a.y) + m * a.N + n0;
-  for (int c = 0; c < cols; ++c) out[c] = static_cast<w_t>(a.b != nullptr ? v[c] + a.b[n0 + c] : v[c]);
-}
+struct PackedOp {
+  const Args& a;
 
-// Rows [m0, m0 + MR) against panels [p0, p0 + NP): MR x NP x 2 accumulators held in registers.
-// (The accumulators are only ever passed by value: an array whose address is taken, even by memcpy,
-// is kept in memory by GCC and every FMA goes through a store.)
-template <typename w_t, int MR, int NP>
-SPECDEC_INLINE void micro(const Args& a, int64_t m0, int64_t p0) {
-  const int64_t K = a.K;
-  const w_t* w = static_cast<const w_t*>(a.w) + p0 * K * kPanel;
-  const float* x = a.x + m0 * K;
-  v8 acc[MR][NP][2] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    v8 wv[NP][2];
-#pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) load_panel(w + (p * K + k) * kPanel, wv[p][0], wv[p][1]);
-#pragma GCC unroll 6
-    for (int m = 0; m < MR; ++m) {
-      const v8 xb = splat8(x + m * K + k);
-#pragma GCC unroll 4
-      for (int p = 0; p < NP; ++p) {
-        acc[m][p][0] += xb * wv[p][0];
-        acc[m][p][1] += xb * wv[p][1];
-      }
+  SPECDEC_INLINE void load(int64_t p, int64_t k, v8& lo, v8& hi) const {
+    const w_t* w = static_cast<const w_t*>(a.w) + (p * a.K + k) * kPanel;
+    if constexpr (std::is_same_v<w_t, float>) {
+      std::memcpy(&lo, w, sizeof(v8));
+      std::memcpy(&hi, w + 8, sizeof(v8));
+    } else if constexpr (std::is_same_v<w_t, at::BFloat16>) {  // interleaved: one shift, one mask
+      v8i v;
+      std::memcpy(&v, w, sizeof(v));
+      lo = (v8)(v << 16);
+      hi = (v8)(v & static_cast<int32_t>(0xFFFF0000u));
+    } else {
+      lo = simd::load_f16_n<8>(reinterpret_cast<const uint16_t*>(w));
+      hi = simd::load_f16_n<8>(reinterpret_cast<const uint16_t*>(w) + 8);
     }
   }
-#pragma GCC unroll 6
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) store_panel<w_t>(a, m0 + m, p0 + p, acc[m][p][0], acc[m][p][1]);
-}
 
-template <typename w_t, int NP>
-SPECDEC_INLINE void micro_rows(const Args& a, int rows, int64_t m0, int64_t p0) {
-  if constexpr (NP > 1) {
-    if (rows == 1) return micro<w_t, 1, NP>(a, m0, p0);
-    if (rows == 2) return micro<w_t, 2, NP>(a, m0, p0);
-    // More rows than a wide block holds (panels_per_block never asks for it): one panel at a time.
-    for (int p = 0; p < NP; ++p) micro_rows<w_t, 1>(a, rows, m0, p0 + p);
-  } else {
-    switch (rows) {
-      case 1: return micro<w_t, 1, 1>(a, m0, p0);
-      case 2: return micro<w_t, 2, 1>(a, m0, p0);
-      case 3: return micro<w_t, 3, 1>(a, m0, p0);
-      case 4: return micro<w_t, 4, 1>(a, m0, p0);
-      case 5: return micro<w_t, 5, 1>(a, m0, p0);
-      default: return micro<w_t, 6, 1>(a, m0, p0);  // all_rows never makes blocks of more than six
-    }
+  SPECDEC_INLINE void store(int64_t m, int64_t p, v8 lo, v8 hi) const {
+    float v[kPanel];
+    std::memcpy(v, &lo, sizeof(lo));
+    std::memcpy(v + 8, &hi, sizeof(hi));
+    const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, a.N - n0);
+    w_t* out = static_cast<w_t*>(a.y) + m * a.N + n0;
+    for (int c = 0; c < cols; ++c) out[c] = static_cast<w_t>(a.b != nullptr ? v[c] + a.b[n0 + c] : v[c]);
   }
-}
+};
 
-// Panels [p0, p0 + NP) against all M rows, in near-equal blocks of at most six rows: 8 rows are
-// 4 + 4 rather than 6 + 2 (a 2-row block of one panel leaves the FMA units waiting on latency).
-// (Everything down to the micro-kernel is always_inline: a helper compiled on its own, a lambda
-// included, would get the baseline ISA instead of the caller's AVX2/AVX-512.)
-template <typename w_t, int NP>
-SPECDEC_INLINE void all_rows(const Args& a, int64_t p0) {
-  const int64_t blocks = (a.M + kMaxRows - 1) / kMaxRows;
-  int64_t m = 0;
-  for (int64_t i = 0; i < blocks; ++i) {
-    const int rows = static_cast<int>(a.M / blocks + (i < a.M % blocks));
-    micro_rows<w_t, NP>(a, rows, m, p0);
-    m += rows;
-  }
-}
-
-// Panels [p_begin, p_end), NP at a time (wide blocks keep eight FMA chains in flight at one or two rows).
-template <typename w_t, int NP>
-SPECDEC_INLINE void panels(const Args& a, int64_t p_begin, int64_t p_end) {
-  int64_t p = p_begin;
-  for (; p + NP <= p_end; p += NP) all_rows<w_t, NP>(a, p);
-  for (; p < p_end; ++p) all_rows<w_t, 1>(a, p);
-}
-
-// Panels per register block: 4 at one row (8 accumulators), 2 at two rows, 1 from three rows on.
-inline int panels_per_block(int64_t M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+// Wide register blocks up to two rows: bf16 panel steps need registers of their own.
+constexpr int kWideRows = 2;
 
 template <typename w_t>
 SPECDEC_INLINE void run_impl(const Args& a, int64_t p_begin, int64_t p_end) {
-  switch (panels_per_block(a.M)) {
-    case 4: return panels<w_t, 4>(a, p_begin, p_end);
-    case 2: return panels<w_t, 2>(a, p_begin, p_end);
-    default: return panels<w_t, 1>(a, p_begin, p_end);
-  }
+  panel::gemm<kWideRows>(PackedOp<w_t>{a}, a.x, a.K, a.M, a.K, p_begin, p_end);
 }
 
 template <typename w_t>
@@ -205,7 +126,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int6
     const Fn fn = simd::pick<Fn>(run_avx512<scalar_t>, run_avx2<scalar_t>, run_base<scalar_t>);
     // Work units are register blocks of panels; a task gets at least ~64K weight elements (below
     // that, waking the pool costs more than the work).
-    const int64_t unit = panels_per_block(M);
+    const int64_t unit = panel::panels_per_block<kWideRows>(M);
     const int64_t units = (P + unit - 1) / unit;
     const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(unit * kPanel * K, 1));
     at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {

@@ -9,7 +9,7 @@
 // mask exists.
 //
 // Scores and P.V are small register-blocked GEMMs (the 6 x 16 outer-product micro-kernel of
-// packed_linear.cpp), not BLAS calls: at verification sizes (tens of rows, hundreds of keys, D=64)
+// panel_gemm.h), not BLAS calls: at verification sizes (tens of rows, hundreds of keys, D=64)
 // a BLAS call spends more in dispatch and packing than in FMAs, and on CPUs without bf16 matrix
 // units MKL's bf16 GEMM is a slow emulation. Each chunk's keys are transposed once into fp32 panels
 // of 16 keys, and values are read in place (fp32, or one row block) or widened once into panels.
@@ -26,6 +26,7 @@
 #include <optional>
 #include <vector>
 
+#include "panel_gemm.h"
 #include "simd.h"
 
 namespace specdec {
@@ -38,10 +39,8 @@ constexpr int64_t kChunk = 256;     // keys per chunk: their fp32 panels (kChunk
 constexpr int64_t kMinRows = 12;    // rows (heads x queries) worth a task of their own (two row blocks)
 constexpr int64_t kMaxRows = 256;   // cap on rows per task (buffers)
 constexpr int64_t kTasksPerThread = 4;
-constexpr int kPanel = 16;          // columns per micro-kernel panel: two 8-lane registers
-constexpr int kBlockRows = 6;       // rows per register block (6 x 2 accumulators)
-
-typedef simd::Lanes<8>::f v8;
+using panel::kPanel;
+using panel::v8;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -135,100 +134,42 @@ SPECDEC_INLINE void pack_values(const scalar_t* v, int64_t stride, int64_t n, in
   }
 }
 
-// Broadcast of one float (one vbroadcastss from memory inside the target clones; see packed_linear.cpp).
-SPECDEC_INLINE v8 broadcast8(const float* p) {
-  const v8 t = {*p};
-  return __builtin_shufflevector(t, t, 0, 0, 0, 0, 0, 0, 0, 0);
-}
+enum class Epilogue { kScale, kAdd };  // out = scale * x.B, or out += x.B
 
-// The B operand of a small GEMM, as panels of 16 columns: column 16 p + c at step k is
-// w[p * step_p + k * step_k + c] (16 contiguous elements per panel step).
-template <typename w_t>
-struct Panels {
+// The B operand of a small GEMM for panel::gemm: column 16 p + c at step k is
+// w[p * step_p + k * step_k + c] (16 contiguous elements per panel step), and its fp32 output
+// out[m, 16 p + c] with row stride ldo (always whole panels: the buffers are padded to them).
+template <typename w_t, Epilogue E>
+struct PanelsOp {
   const w_t* w;
   int64_t step_k, step_p;
+  float* out;
+  int64_t ldo;
+  float scale;
+
+  SPECDEC_INLINE void load(int64_t p, int64_t k, v8& lo, v8& hi) const {
+    const w_t* src = w + p * step_p + k * step_k;
+    lo = load8(src);
+    hi = load8(src + 8);
+  }
+  SPECDEC_INLINE void store(int64_t m, int64_t p, v8 lo, v8 hi) const {
+    float* o = out + m * ldo + p * kPanel;
+    if constexpr (E == Epilogue::kScale) {
+      store8(o, lo * scale);
+      store8(o + 8, hi * scale);
+    } else {
+      store8(o, load8(o) + lo);
+      store8(o + 8, load8(o + 8) + hi);
+    }
+  }
 };
 
-enum class Epilogue { kScale, kAdd };  // out = scale * x.w, or out += x.w
-
-// out[m0 + m, 16 (p0 + p) + c] for MR rows of x [., K] (fp32, row stride ldx) and NP panels:
-// the outer-product micro-kernel of packed_linear.cpp, with MR x NP x 2 accumulators in registers.
-template <typename w_t, int MR, int NP, Epilogue E>
-SPECDEC_INLINE void micro(const float* x, int64_t ldx, int64_t K, Panels<w_t> b, float* out, int64_t ldo, float scale,
-                          int64_t m0, int64_t p0) {
-  const float* xr = x + m0 * ldx;
-  const w_t* w = b.w + p0 * b.step_p;
-  v8 acc[MR][NP][2] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    v8 wv[NP][2];
-#pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) {
-      wv[p][0] = load8(w + p * b.step_p + k * b.step_k);
-      wv[p][1] = load8(w + p * b.step_p + k * b.step_k + 8);
-    }
-#pragma GCC unroll 6
-    for (int m = 0; m < MR; ++m) {
-      const v8 xb = broadcast8(xr + m * ldx + k);
-#pragma GCC unroll 4
-      for (int p = 0; p < NP; ++p) {
-        acc[m][p][0] += xb * wv[p][0];
-        acc[m][p][1] += xb * wv[p][1];
-      }
-    }
-  }
-#pragma GCC unroll 6
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) {
-      float* o = out + (m0 + m) * ldo + (p0 + p) * kPanel;
-      if constexpr (E == Epilogue::kScale) {
-        store8(o, acc[m][p][0] * scale);
-        store8(o + 8, acc[m][p][1] * scale);
-      } else {
-        store8(o, load8(o) + acc[m][p][0]);
-        store8(o + 8, load8(o + 8) + acc[m][p][1]);
-      }
-    }
-}
-
-// Rows [m0, m0 + MR) against panels [p, p + NP), or one panel at a time for the last few panels.
-template <typename w_t, Epilogue E, int MR, int NP>
-SPECDEC_INLINE void row_block(const float* x, int64_t ldx, int64_t K, Panels<w_t> b, int64_t P, float* out,
-                              int64_t ldo, float scale, int64_t m0, int64_t p) {
-  if (p + NP <= P) return micro<w_t, MR, NP, E>(x, ldx, K, b, out, ldo, scale, m0, p);
-  for (; p < P; ++p) micro<w_t, MR, 1, E>(x, ldx, K, b, out, ldo, scale, m0, p);
-}
-
-// out[M, 16 P] (=, +=) x[M, K] . B over P panels of B. Panels outer (one panel's steps stay in L1
-// while every row block reads them), rows in near-equal blocks of at most six. NP panels per
-// register block: 4 at one row, 2 at two or three, else 1 (eight or more FMA chains in flight).
-template <typename w_t, Epilogue E, int NP>
-SPECDEC_INLINE void small_gemm_np(const float* x, int64_t ldx, int64_t M, int64_t K, Panels<w_t> b, int64_t P,
-                                  float* out, int64_t ldo, float scale) {
-  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
-  for (int64_t p = 0; p < P; p += NP) {
-    int64_t m = 0;
-    for (int64_t i = 0; i < blocks; ++i) {
-      const int rows = static_cast<int>(M / blocks + (i < M % blocks));
-      switch (rows) {
-        case 1: row_block<w_t, E, 1, NP>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
-        case 2: row_block<w_t, E, 2, NP>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
-        case 3: row_block<w_t, E, 3, NP>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
-        case 4: row_block<w_t, E, 4, (NP > 1 ? 1 : NP)>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
-        case 5: row_block<w_t, E, 5, (NP > 1 ? 1 : NP)>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
-        default: row_block<w_t, E, 6, (NP > 1 ? 1 : NP)>(x, ldx, K, b, P, out, ldo, scale, m, p); break;
-      }
-      m += rows;
-    }
-  }
-}
-
-template <typename w_t, Epilogue E>
-SPECDEC_INLINE void small_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, Panels<w_t> b, int64_t P,
-                               float* out, int64_t ldo, float scale) {
-  if (M == 1) return small_gemm_np<w_t, E, 4>(x, ldx, M, K, b, P, out, ldo, scale);
-  if (M <= 3) return small_gemm_np<w_t, E, 2>(x, ldx, M, K, b, P, out, ldo, scale);
-  small_gemm_np<w_t, E, 1>(x, ldx, M, K, b, P, out, ldo, scale);
+// out[M, 16 P] (=, +=) x[M, K] . B over P panels. Wide register blocks up to three rows: fp32 panel
+// steps fold into the FMAs as memory operands, so 3 x 2 x 2 accumulators fit.
+template <Epilogue E, typename w_t>
+SPECDEC_INLINE void small_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const w_t* w, int64_t step_k,
+                               int64_t step_p, int64_t P, float* out, int64_t ldo, float scale) {
+  panel::gemm<3>(PanelsOp<w_t, E>{w, step_k, step_p, out, ldo, scale}, x, ldx, M, K, 0, P);
 }
 
 struct Strides {
@@ -385,8 +326,7 @@ template <typename scalar_t>
 SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, int64_t c0, int64_t n) {
   const int64_t M = w.M, D = w.D, Dp = w.Dp, ld = w.ld;
   pack_keys(seg.k + c0 * seg.stride_k, seg.stride_k, n, D, w.kp);
-  small_gemm<float, Epilogue::kScale>(w.q, D, M, D, Panels<float>{w.kp, kPanel, D * kPanel},
-                                      (n + kPanel - 1) / kPanel, w.S, ld, a.scale);
+  small_gemm<Epilogue::kScale>(w.q, D, M, D, w.kp, kPanel, D * kPanel, (n + kPanel - 1) / kPanel, w.S, ld, a.scale);
   const int64_t n_prefix = std::clamp<int64_t>(seg.split - c0, 0, n);
   if (n_prefix > 0) mask_prefix(w, a, c0, 0, n_prefix);
   if (n_prefix < n) mask_tree(w, a, c0 + n_prefix - seg.split, n_prefix, n - n_prefix);
@@ -394,13 +334,11 @@ SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, 
   const scalar_t* v = seg.v + c0 * seg.stride_v;
   // Value rows are panels of 16 dims one row apart: read them in place when they need no widening,
   // or when one row block reads them once anyway.
-  if (D % kPanel == 0 && (std::is_same_v<scalar_t, float> || M <= kBlockRows)) {
-    small_gemm<scalar_t, Epilogue::kAdd>(w.S, ld, M, n, Panels<scalar_t>{v, seg.stride_v, kPanel}, D / kPanel, w.acc,
-                                         Dp, 1.0f);
+  if (D % kPanel == 0 && (std::is_same_v<scalar_t, float> || M <= panel::kMaxRows)) {
+    small_gemm<Epilogue::kAdd>(w.S, ld, M, n, v, seg.stride_v, kPanel, D / kPanel, w.acc, Dp, 1.0f);
   } else {
     pack_values(v, seg.stride_v, n, D, w.vp);
-    small_gemm<float, Epilogue::kAdd>(w.S, ld, M, n, Panels<float>{w.vp, kPanel, n * kPanel}, Dp / kPanel, w.acc, Dp,
-                                      1.0f);
+    small_gemm<Epilogue::kAdd>(w.S, ld, M, n, w.vp, kPanel, n * kPanel, Dp / kPanel, w.acc, Dp, 1.0f);
   }
 }
 
