@@ -38,7 +38,8 @@ SPECDEC_INLINE v8 broadcast8(const float* p) {
 // an array whose address is taken, even by memcpy, is kept in memory by GCC and every FMA goes
 // through a store.)
 template <int MR, int NP, typename Op>
-SPECDEC_INLINE void micro(const Op& op, const float* x, int64_t ldx, int64_t K, int64_t m0, int64_t p0) {
+SPECDEC_INLINE void micro(const Op& op_ref, const float* x, int64_t ldx, int64_t K, int64_t m0, int64_t p0) {
+  const Op op = op_ref;  // a local copy: its fields stay in registers across the k loop
   const float* xr = x + m0 * ldx;
   v8 acc[MR][NP][2] = {};
   for (int64_t k = 0; k < K; ++k) {
