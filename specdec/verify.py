@@ -56,8 +56,12 @@ def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 
 
 def check_logits(logits: torch.Tensor) -> None:
-    """Raise on NaN logits: a broken model or dtype overflow must not turn into a wrong answer."""
-    if bool(torch.isnan(logits).any()):
+    """Raise on NaN logits: a broken model or dtype overflow must not turn into a wrong answer.
+
+    The row maxima carry any NaN of their row (max reductions propagate NaN), so one reduction pass
+    answers; ``isnan(logits).any()`` would also write a mask as large as the logits (4-7x slower on a
+    CPU at SmolLM2's 49k vocabulary)."""
+    if bool(torch.isnan(logits.amax(-1)).any()):
         raise FloatingPointError("the model produced NaN logits (try --dtype fp32)")
 
 
@@ -73,7 +77,7 @@ class Verifier:
         """Next token ``[B]`` from logits ``[B,V]`` (after prefill or a plain decode step)."""
         check_logits(logits)
         if self.cfg.greedy:
-            return logits.argmax(-1)
+            return logits.float().argmax(-1)  # torch's half-precision argmax on a CPU is about 2x slower than widening first
         probs = processed_probs(logits, self.cfg)
         u = torch.rand(probs.shape[0], generator=self.generator, device=probs.device)
         return kernels.sample_from_probs(probs, u)

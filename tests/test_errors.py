@@ -81,6 +81,26 @@ def test_nan_logits_raise():
             dec.generate_ids([[5, 6, 7]], method, 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_check_logits_finds_any_nan(dtype):
+    """check_logits reads the row maxima: a NaN anywhere, next to +-inf or not, must still be found."""
+    from specdec.verify import check_logits
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 97, generator=gen).to(dtype)
+    logits[0, 1, 3], logits[1, 4, 0], logits[1, 2, 96] = float("inf"), float("-inf"), float("inf")
+    logits[0, 3, :] = float("-inf")
+    check_logits(logits)  # infinities alone are no error
+    check_logits(logits[:, 0])
+    for b, t, v in [(0, 0, 0), (1, 4, 96), (0, 1, 50), (0, 3, 7), (1, 2, 95)]:
+        broken = logits.clone()
+        broken[b, t, v] = float("nan")
+        with pytest.raises(FloatingPointError, match="NaN"):
+            check_logits(broken)
+        with pytest.raises(FloatingPointError, match="NaN"):
+            check_logits(broken[:, t])
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=1.0, top_p=0.0),
                                     dict(temperature=1.0, top_k=-2)])
 def test_bad_sampling_settings(kwargs):
