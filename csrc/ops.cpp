@@ -26,4 +26,7 @@ TORCH_LIBRARY(specdec, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
   m.def("tree_verify_greedy(Tensor tokens, Tensor parents, Tensor target_logits, Tensor? valid=None) -> "
         "(Tensor path, Tensor length, Tensor next_token)");
+  m.def("draft_tree(Tensor root, Tensor drafts, bool merge=True, Tensor? accept=None, Tensor? cost=None, "
+        "int extra=0) -> (Tensor tokens, Tensor parents, Tensor valid, Tensor depth, Tensor mask, Tensor chain, "
+        "Tensor slot)");
 }

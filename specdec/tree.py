@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.kernels import pack_mask, tree_depth
+from specdec import kernels
+from specdec.kernels.reference import ancestor_mask, tree_depth
 
 
 @dataclass(eq=False)
@@ -132,53 +133,21 @@ class DraftTree:
         return cls.from_parents(tokens.to(dev), parents.to(dev), valid.to(dev))
 
     @classmethod
-    def from_drafts(cls, root: torch.Tensor, drafts: torch.Tensor, merge: bool = True) -> tuple["DraftTree", torch.Tensor]:
-        """Several chains per row as one tree, vectorised (no Python loop over rows or nodes).
+    def from_drafts(cls, root: torch.Tensor, drafts: torch.Tensor, merge: bool = True, accept: torch.Tensor | None = None,
+                    cost: torch.Tensor | None = None, extra: int = 0) -> tuple["DraftTree", torch.Tensor, torch.Tensor]:
+        """Several chains per row as one tree, mask included (:func:`specdec.kernels.draft_tree`).
 
         root: ``[B]``; drafts: ``[B,k,w] int64``, each chain -1 padded at its end (an empty slot is
         all -1). ``merge=True`` builds the trie (chains sharing a prefix share its nodes);
         ``merge=False`` keeps every chain as its own branch under the root (the paper's k batch
-        rows, minus the k-1 copies of the root). Node order is chain-major, so the chain listed
-        first keeps the lowest indices (verification tries siblings in index order).
+        rows, minus the k-1 copies of the root). With ``accept [B,k,w]`` and ``cost`` the tree keeps
+        only the nodes that pay for their verification cost (see the kernel).
 
-        Returns the tree and ``[B,T] int64`` the first chain through each node (-1 at the root and
-        at padding).
+        Returns the tree, ``[B,T] int64`` the first chain through each node and ``[B,T] int64`` that
+        chain's cell ``i * w + d`` (both -1 at the root and at padding).
         """
-        b, k, w = drafts.shape
-        dev = drafts.device
-        valid = (drafts >= 0).cumprod(-1).bool()  # [B,k,w]: a chain ends at its first padding
-        ar_k = torch.arange(k, device=dev)
-        if merge:
-            same = (drafts[:, :, None, :] == drafts[:, None, :, :]).cumprod(-1).bool()  # [B,k,k,w] equal prefixes
-            same &= valid[:, :, None, :] & valid[:, None, :, :]
-            first = torch.where(same, ar_k[None, None, :, None], k).amin(2)  # [B,k,w] first chain with this prefix
-            owner = first.clamp(max=k - 1)
-        else:
-            owner = ar_k[None, :, None].expand(b, k, w)
-        exists = valid & (owner == ar_k[None, :, None])  # one node per distinct (prefix, depth)
-        flat_exists = exists.reshape(b, k * w)
-        index = flat_exists.long().cumsum(-1).reshape(b, k, w)  # node index (root = 0) where exists
-        t = int(index[:, -1, -1].max()) + 1 if k * w else 1
-        # parent of (i, d) is the node of (owner[i, d-1], d-1); at d = 0 the root.
-        flat_parent = owner[:, :, :-1] * w + torch.arange(w - 1, device=dev)
-        parent_idx = index.reshape(b, k * w).gather(1, flat_parent.reshape(b, -1)).reshape(b, k, w - 1)
-        parents_kw = torch.cat([torch.zeros(b, k, 1, dtype=torch.int64, device=dev), parent_idx], dim=-1)
-        tokens = torch.zeros(b, t, dtype=torch.int64, device=dev)
-        parents = torch.zeros(b, t, dtype=torch.int64, device=dev)
-        chain = torch.full((b, t), -1, dtype=torch.int64, device=dev)
-        node_valid = torch.zeros(b, t, dtype=torch.bool, device=dev)
-        dst = torch.where(exists, index, 0).reshape(b, k * w)
-        src_ok = flat_exists
-        tokens.scatter_(1, dst, torch.where(src_ok, drafts.reshape(b, -1), 0))
-        parents.scatter_(1, dst, torch.where(src_ok, parents_kw.reshape(b, -1), 0))
-        chain.scatter_(1, dst, torch.where(src_ok, ar_k[None, :, None].expand(b, k, w).reshape(b, -1), -1))
-        node_valid.scatter_(1, dst, src_ok)
-        # Slot 0 received the scatter of every non-existing (i, d); reset it to the root.
-        tokens[:, 0] = root
-        parents[:, 0] = -1
-        chain[:, 0] = -1
-        node_valid[:, 0] = True
-        return cls.from_parents(tokens, parents, node_valid, check=False), chain
+        tokens, parents, valid, depth, mask, chain, slot = kernels.draft_tree(root, drafts, merge, accept, cost, extra)
+        return cls(tokens, parents, valid, depth, False, None, mask), chain, slot
 
     def select(self, keep: torch.Tensor) -> tuple["DraftTree", torch.Tensor]:
         """The subtree of the nodes in ``keep`` ``[B,T] bool`` (closed under parents; the root is always kept).
@@ -186,19 +155,7 @@ class DraftTree:
         Kept nodes keep their relative order. Returns the subtree and ``[B,T']`` the old index of
         every new node (0 at padding).
         """
-        b, t = self.tokens.shape
-        keep = keep & self.valid
-        keep[:, 0] = True
-        new_index = keep.long().cumsum(-1) - 1  # [B,T] position of each kept node
-        t_new = int(keep.sum(-1).max())
-        dst = torch.where(keep, new_index, t_new)  # dropped nodes go to a spill column, cut below
-        old = torch.zeros(b, t_new + 1, dtype=torch.int64, device=self.tokens.device)
-        old.scatter_(1, dst, torch.arange(t, device=self.tokens.device).expand(b, t))
-        old = old[:, :t_new]
-        valid = torch.arange(t_new, device=keep.device)[None] < keep.sum(-1, keepdim=True)
-        tokens = self.tokens.gather(1, old)
-        parents = torch.where(valid, new_index.gather(1, self.parents.gather(1, old).clamp(min=0)), 0)
-        parents[:, 0] = -1
+        tokens, parents, valid, old = kernels.reference.subtree(self.tokens, self.parents, self.valid, keep)
         probs = None
         if self.draft_probs is not None:
             probs = self.draft_probs.gather(1, old[:, :, None].expand(-1, -1, self.draft_probs.shape[-1]))
@@ -216,23 +173,3 @@ class DraftTree:
         from specdec.kernels import unpack_mask
 
         return unpack_mask(self.mask, t)
-
-
-def ancestor_mask(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Packed ancestor-or-self mask ``[B,T,ceil(T/32)] int32`` from parents ``[B,T]``.
-
-    Computed by transitive closure with boolean matrix squaring (log2 T batched matmuls), so no
-    Python loop over nodes. Invalid nodes are visible to nobody but themselves.
-    """
-    b, t = parents.shape
-    dev = parents.device
-    eye = torch.eye(t, dtype=torch.bool, device=dev).expand(b, t, t)
-    reach = eye.clone()
-    has_parent = parents >= 0
-    reach[torch.arange(b, device=dev)[:, None].expand(b, t)[has_parent],
-          torch.arange(t, device=dev)[None].expand(b, t)[has_parent],
-          parents[has_parent]] = True
-    for _ in range(max(1, (t - 1).bit_length())):
-        reach = reach | (torch.bmm(reach.float(), reach.float()) > 0)
-    reach = reach & (valid[:, None, :] | eye)
-    return pack_mask(reach)

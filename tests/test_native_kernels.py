@@ -453,3 +453,102 @@ def test_tree_ops_compile_fullgraph_and_opcheck():
     torch.library.opcheck(ops.tree_attention.default, (q, k_cache, v_cache, lens, k_tree, v_tree, mask, 0.5, positions, 6))
     torch.library.opcheck(ops.tree_attention.default, (q, k_cache, v_cache, lens, k_tree, v_tree, None))
     torch.library.opcheck(ops.tree_verify_greedy.default, (tokens, parents, logits, torch.rand(2, 9, generator=g) < 0.8))
+
+
+# ----------------------------------------------------------------------------------------
+# draft_tree
+# ----------------------------------------------------------------------------------------
+
+needs_draft_tree = pytest.mark.skipif(not hasattr(ops, "draft_tree"), reason="specdec._C predates draft_tree: rebuild it")
+
+
+@st.composite
+def draft_batches(draw):
+    b, k, w = draw(st.integers(1, 3)), draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    vocab = draw(st.integers(1, 4))  # small vocabularies: many shared prefixes
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.randint(0, vocab, (b, k, w), generator=g)
+    cut = torch.randint(0, w + 1, (b, k), generator=g)  # chain lengths, 0 = empty slot
+    drafts = torch.where(torch.arange(w)[None, None] < cut[:, :, None], drafts, -1)
+    if draw(st.booleans()):  # tokens after a chain's first -1 must be ignored
+        drafts = torch.where(torch.rand(b, k, w, generator=g) < 0.2, -1, drafts.abs())
+    root = torch.randint(0, vocab, (b,), generator=g)
+    # Estimates on a coarse grid (ties, which the order must break alike), 0 included.
+    accept = torch.randint(0, 5, (b, k, w), generator=g).float() / 4
+    steps = torch.rand(k * w + 1 + draw(st.integers(0, 3)), generator=g)
+    if draw(st.booleans()):
+        cost = 1 + steps.cumsum(0) * 0.05  # rising, as measured step costs are
+    else:
+        cost = 1 + steps * 0.3  # not monotonic: a noisy table
+    return root, drafts, draw(st.booleans()), accept, cost, draw(st.integers(0, 2))
+
+
+@needs_draft_tree
+@settings(max_examples=400, deadline=None)
+@given(draft_batches(), st.booleans())
+def test_draft_tree_native_matches_reference(case, prune):
+    root, drafts, merge, accept, cost, extra = case
+    args = (root, drafts, merge) + ((accept, cost, extra) if prune else ())
+    got = K.draft_tree(*args, backend="cpp")
+    want = K.draft_tree(*args, backend="torch")
+    names = ("tokens", "parents", "valid", "depth", "mask", "chain", "slot")
+    for name, g, r in zip(names, got, want):
+        assert g.dtype == r.dtype and g.shape == r.shape, (name, g.dtype, r.dtype, g.shape, r.shape)
+        assert torch.equal(g, r), (name, args, g, r)
+    tokens, parents, valid, depth, mask, chain, slot = got
+    # The tree is well formed: a checked rebuild agrees on depth and mask, and every node's token is
+    # its chain's token at its depth.
+    from specdec.tree import DraftTree
+
+    checked = DraftTree.from_parents(tokens, parents, valid)
+    assert torch.equal(checked.depth, depth) and torch.equal(checked.mask, mask)
+    b, k, w = drafts.shape
+    flat = drafts.reshape(b, k * w)
+    node = valid.clone()
+    node[:, 0] = False
+    assert torch.equal(tokens[node], flat.gather(1, slot.clamp(min=0))[node])
+    assert torch.equal(chain[node], slot[node] // w) and torch.equal(depth[node], slot[node] % w + 1)
+
+
+@needs_draft_tree
+def test_draft_tree_prunes_to_what_pays():
+    # One chain of 4 with estimates 0.9, 0.8, 0.1, 0.05: flat costs keep all, steep costs only the root.
+    root, drafts = torch.tensor([7]), torch.tensor([[[1, 2, 3, 4]]])
+    accept = torch.tensor([[[0.9, 0.8, 0.1, 0.05]]])
+    for backend in ("cpp", "torch"):
+        tokens, _, valid, *_ = K.draft_tree(root, drafts, True, accept, torch.ones(5), 0, backend=backend)
+        assert tokens[valid].tolist() == [7, 1, 2, 3, 4]
+        tokens, _, valid, *_ = K.draft_tree(root, drafts, True, accept, torch.arange(1, 6).float() ** 3, 0, backend=backend)
+        assert tokens[valid].tolist() == [7]
+        # c(n) = 1 + 0.3 (n - 1): the 0.1 node no longer pays (2.7 / 1.6 > 2.8 / 1.9), extra=1 takes it.
+        cost = 1 + 0.3 * torch.arange(5).float()
+        tokens, _, valid, *_ = K.draft_tree(root, drafts, True, accept, cost, 0, backend=backend)
+        assert tokens[valid].tolist() == [7, 1, 2]
+        tokens, _, valid, *_ = K.draft_tree(root, drafts, True, accept, cost, 1, backend=backend)
+        assert tokens[valid].tolist() == [7, 1, 2, 3]
+
+
+@needs_draft_tree
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_draft_tree_bad_inputs(backend):
+    root, drafts = torch.tensor([7]), torch.tensor([[[1, 2]]])
+    with pytest.raises(ValueError, match="go together"):
+        K.draft_tree(root, drafts, True, torch.ones(1, 1, 2), None, backend=backend)
+    with pytest.raises(ValueError, match="accept must be"):
+        K.draft_tree(root, drafts, True, torch.ones(1, 2), torch.ones(3), backend=backend)
+    with pytest.raises(ValueError, match="cost must hold"):
+        K.draft_tree(root, drafts, True, torch.ones(1, 1, 2), torch.ones(2), backend=backend)
+    with pytest.raises(ValueError, match="drafts must be"):
+        K.draft_tree(torch.tensor([7, 8]), drafts, backend=backend)
+    with pytest.raises(ValueError, match="extra"):
+        K.draft_tree(root, drafts, True, torch.ones(1, 1, 2), torch.ones(3), -1, backend=backend)
+
+
+@needs_draft_tree
+def test_draft_tree_compile_fullgraph_and_opcheck():
+    g = torch.Generator().manual_seed(0)
+    root, drafts = torch.tensor([3, 1]), torch.randint(0, 3, (2, 4, 3), generator=g)
+    accept, cost = torch.rand(2, 4, 3, generator=g), 1 + torch.rand(13, generator=g).cumsum(0) * 0.1
+    torch.library.opcheck(ops.draft_tree.default, (root, drafts, True, accept, cost, 1))
+    torch.library.opcheck(ops.draft_tree.default, (root, drafts, False))

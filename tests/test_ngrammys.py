@@ -157,7 +157,7 @@ def test_from_drafts_builds_trie_and_forest(b, k, w, vocab, seed):
     drafts = torch.where(torch.arange(w)[None, None] < cut[:, :, None], drafts, -1)
     root = torch.randint(0, vocab, (b,), generator=g)
     chains = [[[t for t in c if t >= 0] for c in row] for row in drafts.tolist()]
-    trie, owner = DraftTree.from_drafts(root, drafts, merge=True)
+    trie, owner, _ = DraftTree.from_drafts(root, drafts, merge=True)
     ref = DraftTree.from_chains(root, chains)
     n = ref.valid.sum(-1)
     assert torch.equal(trie.valid.sum(-1), n)
@@ -165,7 +165,7 @@ def test_from_drafts_builds_trie_and_forest(b, k, w, vocab, seed):
         m = int(n[r])
         assert trie.tokens[r, :m].tolist() == ref.tokens[r, :m].tolist()
         assert trie.parents[r, :m].tolist() == ref.parents[r, :m].tolist()
-    forest, chain_of = DraftTree.from_drafts(root, drafts, merge=False)
+    forest, chain_of, _ = DraftTree.from_drafts(root, drafts, merge=False)
     assert torch.equal(forest.valid.sum(-1), 1 + cut.sum(-1))
     for tree in (trie, forest):  # built without validation: a checked rebuild agrees, mask included
         checked = DraftTree.from_parents(tree.tokens, tree.parents, tree.valid)

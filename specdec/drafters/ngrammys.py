@@ -153,43 +153,22 @@ class NGrammysDrafter(Drafter):
             tree = DraftTree.chain(state.roots, drafts[:, 0])
             self._chain_of_node = torch.zeros(tree.tokens.shape, dtype=torch.int64, device=drafts.device)
             return tree
-        tree, self._chain_of_node = DraftTree.from_drafts(state.roots, drafts, merge=self.verify == "tree")
-        if self.cost is not None and self.verify != "chain":
-            tree = self._prune(tree)
+        merge = self.verify == "tree"
+        if self.cost is None:
+            tree, self._chain_of_node, _ = DraftTree.from_drafts(state.roots, drafts, merge)
+            return tree
+        # Keep, per row, the nodes most likely to be accepted, as many as pay for their cost. A node's
+        # estimate comes from its cell (source, rank among that source's drafts, depth; a longest-suffix
+        # or corpus match's source is its suffix length). Every cost.explore()-th plan keeps one node
+        # more, so sizes the plan avoids are timed again.
+        b, dev = drafts.shape[0], drafts.device
+        cells = ((self._slot_source * self.k + self._slot_rank) * self.w)[:, :, None] + torch.arange(w, device=dev)
+        accept = self.acceptance.rates(dev)[cells]  # [B,k,w]
+        cost = torch.tensor(self.cost.costs(self.k * w + 1), device=dev)
+        tree, self._chain_of_node, slot = DraftTree.from_drafts(state.roots, drafts, merge, accept, cost,
+                                                                int(self.cost.explore()))
+        self._slot = cells.reshape(b, -1).gather(1, slot.clamp(min=0))  # [B,T] cell of each node
         return tree
-
-    def _prune(self, tree: DraftTree) -> DraftTree:
-        """Keep, per row, the nodes most likely to be accepted, as many as pay for their cost.
-
-        A node's acceptance estimate comes from its cell (source, rank among that source's drafts,
-        depth; a longest-suffix or corpus match's source is its suffix length), capped by its parent's (a
-        child is never likelier than its parent). Taking nodes in descending estimate keeps a closed
-        subtree; the expected accepted length of ``n`` nodes is the sum of their estimates, so the kept
-        count maximises ``(1 + sum) / cost(n + 1)``. Every ``cost.explore()``-th plan keeps one node more.
-        """
-        chain = self._chain_of_node
-        source = self._slot_source.gather(1, chain.clamp(min=0))  # the root's chain is -1; its estimate is fixed below
-        rank = self._slot_rank.gather(1, chain.clamp(min=0))
-        depth = (tree.depth - 1).clamp(0, self.w - 1)
-        cell = (source * self.k + rank) * self.w + depth  # [B,T]
-        p = self.acceptance.rates(tree.tokens.device).gather(0, cell.reshape(-1)).reshape(cell.shape)
-        p = torch.where(tree.valid, p, 0.0)
-        p[:, 0] = 1.0
-        for _ in range(int(tree.depth.max())):  # cap by the parent, level by level
-            p = torch.minimum(p, p.gather(1, tree.parents.clamp(min=0)))
-        p[:, 0] = 2.0  # the root first
-        order = torch.sort(p - tree.depth * 1e-6, dim=-1, descending=True, stable=True)
-        gain = order.values.clamp(max=1.0).cumsum(-1)  # [B,T]: 1 + expected accepted with n+1 nodes
-        cost = torch.tensor(self.cost.costs(tree.size), device=p.device)
-        best = (gain / cost).argmax(-1)  # [B]: index of the last kept node in the order
-        if self.cost.explore():
-            best = best + 1  # one node more now and then, so sizes the plan avoids are timed again
-        keep_sorted = torch.arange(tree.size, device=p.device)[None] <= best[:, None]
-        keep = torch.zeros_like(keep_sorted).scatter_(1, order.indices, keep_sorted)
-        sub, old = tree.select(keep)
-        self._chain_of_node = chain.gather(1, old)
-        self._slot = cell.gather(1, old)
-        return sub
 
     def observe_step(self, tree_size: int, seconds: float) -> None:
         if self.cost is not None:

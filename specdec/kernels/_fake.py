@@ -83,3 +83,18 @@ def _skinny_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``[M, n]`` in x's dtype."""
     return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("specdec::draft_tree")
+def _draft_tree_fake(
+    root: torch.Tensor, drafts: torch.Tensor, merge: bool = True, accept: torch.Tensor | None = None,
+    cost: torch.Tensor | None = None, extra: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """tokens, parents, depth, chain, slot ``[B, T]`` int64, valid ``[B, T]`` bool, mask ``[B, T, ceil(T/32)]``
+    int32; ``T`` (the largest row's node count) depends on the data."""
+    b = drafts.shape[0]
+    t = torch.library.get_ctx().new_dynamic_size()
+    words = (t + 31) // 32
+    i64 = lambda: drafts.new_empty((b, t), dtype=torch.int64)  # noqa: E731
+    return (i64(), i64(), drafts.new_empty((b, t), dtype=torch.bool), i64(),
+            drafts.new_empty((b, t, words), dtype=torch.int32), i64(), i64())

@@ -273,6 +273,102 @@ def tree_depth(parents: torch.Tensor) -> torch.Tensor:
     return dist
 
 
+def ancestor_mask(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Packed ancestor-or-self mask ``[B,T,ceil(T/32)] int32`` from parents ``[B,T]``.
+
+    Computed by transitive closure with boolean matrix squaring (log2 T batched matmuls), so no
+    Python loop over nodes. Invalid nodes are visible to nobody but themselves.
+    """
+    b, t = parents.shape
+    dev = parents.device
+    eye = torch.eye(t, dtype=torch.bool, device=dev).expand(b, t, t)
+    reach = eye.clone()
+    has_parent = parents >= 0
+    reach[torch.arange(b, device=dev)[:, None].expand(b, t)[has_parent],
+          torch.arange(t, device=dev)[None].expand(b, t)[has_parent],
+          parents[has_parent]] = True
+    for _ in range(max(1, (t - 1).bit_length())):
+        reach = reach | (torch.bmm(reach.float(), reach.float()) > 0)
+    reach = reach & (valid[:, None, :] | eye)
+    return pack_mask(reach)
+
+
+def subtree(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The nodes of ``keep [B,T] bool`` (closed under parents; the root is always kept), in their order.
+
+    Returns tokens, parents (remapped; 0 at padding, -1 at the root), valid ``[B,T']`` and ``[B,T']``
+    the old index of every new node (0 at padding).
+    """
+    b, t = tokens.shape
+    keep = keep & valid
+    keep[:, 0] = True
+    new_index = keep.long().cumsum(-1) - 1  # [B,T] position of each kept node
+    t_new = int(keep.sum(-1).max())
+    dst = torch.where(keep, new_index, t_new)  # dropped nodes go to a spill column, cut below
+    old = torch.zeros(b, t_new + 1, dtype=torch.int64, device=tokens.device)
+    old.scatter_(1, dst, torch.arange(t, device=tokens.device).expand(b, t))
+    old = old[:, :t_new]
+    valid_new = torch.arange(t_new, device=keep.device)[None] < keep.sum(-1, keepdim=True)
+    parents_new = torch.where(valid_new, new_index.gather(1, parents.gather(1, old).clamp(min=0)), 0)
+    parents_new[:, 0] = -1
+    return tokens.gather(1, old), parents_new, valid_new, old
+
+
+def draft_tree(
+    root: torch.Tensor, drafts: torch.Tensor, merge: bool = True, accept: torch.Tensor | None = None,
+    cost: torch.Tensor | None = None, extra: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of :func:`specdec.kernels.draft_tree` (vectorised: no loop over rows or nodes)."""
+    b, k, w = drafts.shape
+    dev = drafts.device
+    chain_ok = (drafts >= 0).cumprod(-1).bool()  # [B,k,w]: a chain ends at its first padding
+    ar_k = torch.arange(k, device=dev)
+    if merge:
+        same = (drafts[:, :, None, :] == drafts[:, None, :, :]).cumprod(-1).bool()  # [B,k,k,w] equal prefixes
+        same &= chain_ok[:, :, None, :] & chain_ok[:, None, :, :]
+        owner = torch.where(same, ar_k[None, None, :, None], k).amin(2).clamp(max=k - 1)  # first chain with the prefix
+    else:
+        owner = ar_k[None, :, None].expand(b, k, w)
+    exists = chain_ok & (owner == ar_k[None, :, None])  # one node per distinct (prefix, depth)
+    flat_exists = exists.reshape(b, k * w)
+    index = flat_exists.long().cumsum(-1).reshape(b, k, w)  # node index (root = 0) where exists
+    t = int(index[:, -1, -1].max()) + 1 if k * w else 1
+    # parent of (i, d) is the node of (owner[i, d-1], d-1); at d = 0 the root.
+    flat_parent = owner[:, :, :-1] * w + torch.arange(w - 1, device=dev)
+    parent_idx = index.reshape(b, k * w).gather(1, flat_parent.reshape(b, -1)).reshape(b, k, w - 1)
+    parents_kw = torch.cat([torch.zeros(b, k, 1, dtype=torch.int64, device=dev), parent_idx], dim=-1)
+    dst = torch.where(exists, index, 0).reshape(b, k * w)
+
+    def place(values: torch.Tensor, fill: int) -> torch.Tensor:  # [B,k*w] per (chain, depth) -> [B,T] per node
+        out = torch.full((b, t), fill, dtype=values.dtype, device=dev)
+        return out.scatter_(1, dst, torch.where(flat_exists, values, fill))  # slot 0 got the misses: reset below
+
+    tokens = place(drafts.reshape(b, -1), 0)
+    parents = place(parents_kw.reshape(b, -1), 0)
+    chain = place(ar_k[None, :, None].expand(b, k, w).reshape(b, -1), -1)
+    slot = place(torch.arange(k * w, device=dev).expand(b, k * w), -1)
+    valid = place(flat_exists, False)
+    tokens[:, 0], parents[:, 0], chain[:, 0], slot[:, 0], valid[:, 0] = root, -1, -1, -1, True
+    if accept is not None:
+        depth = tree_depth(parents)
+        # A node's estimate is its owner's cell, capped by its parent's (a child is never likelier).
+        p = torch.where(valid, accept.reshape(b, k * w).float().gather(1, slot.clamp(min=0)), 0.0)
+        p[:, 0] = 1.0
+        for _ in range(int(depth.max())):
+            p = torch.minimum(p, p.gather(1, parents.clamp(min=0)))
+        p[:, 0] = 2.0  # the root first
+        order = torch.sort(p - depth * 1e-6, dim=-1, descending=True, stable=True)
+        gain = order.values.clamp(max=1.0).cumsum(-1)  # [B,T]: 1 + expected accepted with n+1 nodes
+        best = (gain / cost[:t].float()).argmax(-1) + extra  # [B]: index of the last kept node in the order
+        keep_sorted = torch.arange(t, device=dev)[None] <= best[:, None]
+        keep = torch.zeros_like(keep_sorted).scatter_(1, order.indices, keep_sorted)
+        tokens, parents, valid, old = subtree(tokens, parents, valid, keep)
+        chain, slot = chain.gather(1, old), slot.gather(1, old)
+    tokens, chain, slot = torch.where(valid, tokens, 0), torch.where(valid, chain, -1), torch.where(valid, slot, -1)
+    return tokens, parents, valid, tree_depth(parents), ancestor_mask(parents, valid), chain, slot
+
+
 def _path_to(last: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Root-to-``last`` node path ``[B,T] int64`` (-1 padded) and its length ``[B] int32``."""
     b, t = parents.shape
