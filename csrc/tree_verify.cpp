@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -38,28 +39,43 @@ SPECDEC_INLINE int64_t argmax_row(const scalar_t* x, int64_t V) {
     }
     return best_i;
   }
+  // 8-lane vectors: 16-lane generic vectors were lowered to scalar code with spills in the AVX2 clone.
+  typedef Lanes<8>::f v8;
+  typedef Lanes<8>::i v8i;
   alignas(64) float buf[kChunk];
   float best = kNegInf;
   int64_t best_i = 0;
   bool found = false;  // an all -inf row still returns index 0
   for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, V - c0), n_full = n / kLanes * kLanes;
+    const int64_t n = std::min(kChunk, V - c0), n_full = n / 16 * 16;
     const float* p;
     if constexpr (std::is_same_v<scalar_t, float>) {
       p = x + c0;
     } else {
-      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(x[c0 + i]);
+      const auto* h = reinterpret_cast<const uint16_t*>(x + c0);
+      for (int64_t i = 0; i < n_full; i += 8) {
+        const v8 v = std::is_same_v<scalar_t, at::BFloat16> ? load_bf16_n<8>(h + i) : load_f16_n<8>(h + i);
+        std::memcpy(buf + i, &v, sizeof(v));
+      }
+      for (int64_t i = n_full; i < n; ++i) buf[i] = static_cast<float>(x[c0 + i]);
       p = buf;
     }
-    vf mx = splat(kNegInf);
-    vi nan = vi{};
-    for (int64_t i = 0; i < n_full; i += kLanes) {
-      const vf v = load(p + i);
-      mx = vmax(v, mx);
-      nan |= v != v;
+    v8 mx0 = v8{} + kNegInf, mx1 = mx0;
+    v8i nan = v8i{};
+    for (int64_t i = 0; i < n_full; i += 16) {
+      v8 a, b;
+      std::memcpy(&a, p + i, sizeof(a));
+      std::memcpy(&b, p + i + 8, sizeof(b));
+      mx0 = a > mx0 ? a : mx0;  // NaN lanes keep the old maximum; the NaN mask catches them
+      mx1 = b > mx1 ? b : mx1;
+      nan |= (a != a) | (b != b);
     }
-    float cm = hmax(mx);
-    bool has_nan = any(nan);
+    float cm = kNegInf;
+    bool has_nan = false;
+    for (int j = 0; j < 8; ++j) {
+      cm = std::max(cm, std::max(mx0[j], mx1[j]));
+      has_nan |= nan[j] != 0;
+    }
     for (int64_t i = n_full; i < n; ++i) {
       cm = std::max(cm, p[i]);
       has_nan |= std::isnan(p[i]);

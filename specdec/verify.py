@@ -58,10 +58,10 @@ def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 def check_logits(logits: torch.Tensor) -> None:
     """Raise on NaN logits: a broken model or dtype overflow must not turn into a wrong answer.
 
-    The row maxima carry any NaN of their row (max reductions propagate NaN), so one reduction pass
-    answers; ``isnan(logits).any()`` would also write a mask as large as the logits (4-7x slower on a
-    CPU at SmolLM2's 49k vocabulary)."""
-    if bool(torch.isnan(logits.amax(-1)).any()):
+    The maximum carries any NaN (max reductions propagate NaN), so one reduction pass answers;
+    ``isnan(logits).any()`` would also write a mask as large as the logits (4-7x slower on a CPU at
+    SmolLM2's 49k vocabulary), and in bf16 the full ``max()`` is about 3x faster than ``amax(-1)``."""
+    if bool(torch.isnan(logits.max())):
         raise FloatingPointError("the model produced NaN logits (try --dtype fp32)")
 
 

@@ -83,7 +83,7 @@ def test_nan_logits_raise():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_check_logits_finds_any_nan(dtype):
-    """check_logits reads the row maxima: a NaN anywhere, next to +-inf or not, must still be found."""
+    """check_logits reads the maximum: a NaN anywhere, next to +-inf or not, must still be found."""
     from specdec.verify import check_logits
 
     gen = torch.Generator().manual_seed(0)
@@ -99,6 +99,15 @@ def test_check_logits_finds_any_nan(dtype):
             check_logits(broken)
         with pytest.raises(FloatingPointError, match="NaN"):
             check_logits(broken[:, t])
+    # A real vocabulary's width, where the reduction runs vectorised and in parallel chunks.
+    wide = torch.randn(1, 6, 49152, generator=gen).to(dtype)
+    wide[0, 2, 100] = float("inf")
+    check_logits(wide)
+    for t, v in [(0, 0), (5, 49151), (2, 101), (3, 24577), (4, 49147)]:
+        broken = wide.clone()
+        broken[0, t, v] = float("nan")
+        with pytest.raises(FloatingPointError, match="NaN"):
+            check_logits(broken)
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=1.0, top_p=0.0),
