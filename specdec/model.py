@@ -297,10 +297,14 @@ class ModelRunner:
         """Keep the accepted nodes' KV. path: ``[B,T]`` node indices (-1 padded); path_len: ``[B]``.
 
         ``new_write_pos`` is ``max(lengths + path_len)``, which the caller already has on the host.
-        For chains written where every row's committed KV ends (batch rows of equal length), the
-        accepted prefix is already in place and nothing moves.
+        Where every row's committed KV ends at ``write_pos`` (one row, or batch rows of equal length) and
+        the accepted path is nodes ``0, 1, 2, ...`` (a chain, or a tree's first branch: trees number
+        their first chain first), the accepted KV is already in place and nothing moves.
         """
         rows_aligned = self.batch_size == 1 or bool((self.cache.lengths == self.cache.write_pos).all())
+        if rows_aligned and not is_chain:
+            ar = torch.arange(path.shape[1], device=path.device)
+            is_chain = bool(((path == ar) | (ar >= path_len[:, None])).all())
         if not (is_chain and rows_aligned):
             src = self.cache.write_pos + path.clamp(min=0)
             kernels.kv_compact(self.cache.buffers(), src, self.cache.lengths, path_len.long())
