@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -52,7 +53,9 @@ class TreeAttentionMeta:
     cache_lens: ``[B]`` committed lengths; prefix_len: write offset (keys before it are the prefix);
     tree_mask: packed ``[B,T,W]`` or None (causal); positions: ``[B,T]`` absolute positions;
     aligned: every row's committed length equals ``prefix_len`` (known on the host);
-    attention: ``"kernel"`` or ``"sdpa"`` (see the module docstring).
+    attention: ``"kernel"`` or ``"sdpa"`` (see the module docstring); native: the compiled kernel when
+    :func:`specdec.kernels.tree_attention` would dispatch to it, resolved once per forward so that the
+    layers call it directly (the wrapper's checks and dispatch cost ~40 us per layer at batch 1).
     Dense masks (``"sdpa"``) are built once per forward and per window size, then shared by all layers.
     """
 
@@ -62,6 +65,7 @@ class TreeAttentionMeta:
     positions: torch.Tensor
     aligned: bool = False
     attention: str = "sdpa"
+    native: Callable | None = None  # torch.ops.specdec.tree_attention where the dispatcher picks it
     _dense: dict = field(default_factory=dict)
 
     def all_visible(self, window: int | None) -> bool:
@@ -106,6 +110,10 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
     # key visible is SDPA's unmasked (flash) path.
     if meta.attention == "kernel" and (query.device.type == "cpu" or not meta.all_visible(window)):
         p = meta.prefix_len
+        if meta.native is not None:  # the cache view as the prefix: the kernel reads keys < cache_lens <= p
+            out = meta.native(query, key, value, meta.cache_lens, key[:, :, p:], value[:, :, p:], meta.tree_mask,
+                              scaling, meta.positions if window is not None else None, window)
+            return out.transpose(1, 2).contiguous(), None
         out = kernels.tree_attention(
             query, key[:, :, :p], value[:, :, :p], meta.cache_lens, key[:, :, p:], value[:, :, p:], meta.tree_mask,
             scaling, meta.positions if window is not None else None, window)
@@ -224,8 +232,11 @@ class ModelRunner:
         t = input_ids.shape[1]
         if self.cache.write_pos + t > self.cache.capacity:
             raise ValueError(f"{self.cache.write_pos + t} positions exceed the cache capacity {self.cache.capacity}")
+        native = None
+        if self.attention == "kernel" and kernels.choose("tree_attention", self.device, None, ("cpu",), triton=True) == "native":
+            native = kernels.native_ops().tree_attention
         meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions, self.batch_size == 1,
-                                 self.attention)
+                                 self.attention, native)
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
