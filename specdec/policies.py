@@ -74,7 +74,11 @@ class StepCost:
         sizes, table = self.sizes, self.table
         last = sizes[-1]
         prev = sizes[-2] if len(sizes) > 1 else last
-        slope = max(0.0, (table[last] - table[prev]) / max(1, last - prev))
+        # Past the largest size, grow at least at the table's average rate: a last segment flattened by
+        # a noisy sample would otherwise make every larger tree look free (one 61-node step, ~4x a
+        # normal one, was seen after such a calibration).
+        slope = max(0.0, (table[last] - table[prev]) / max(1, last - prev),
+                    (table[last] - table[sizes[0]]) / max(1, last - sizes[0]))
         out, j = [], 0
         for t in range(1, n + 1):
             if t <= sizes[0]:

@@ -18,6 +18,14 @@ def test_step_cost_interpolates_and_learns():
         StepCost({2: 1.0})
 
 
+def test_step_cost_extrapolates_at_least_the_average_slope():
+    # A noisy last sample (c(16) below c(11)) must not make trees past 16 nodes free.
+    cost = StepCost({1: 1.0, 6: 1.2, 11: 2.0, 16: 1.9})
+    assert cost(26) == pytest.approx(1.9 + 10 * 0.9 / 15)
+    steep = StepCost({1: 1.0, 6: 1.2, 11: 2.0, 16: 3.0})  # the last segment, when steeper, still rules
+    assert steep(21) == pytest.approx(4.0)
+
+
 @pytest.mark.parametrize("table", [{1: 1.0}, {1: 1.0, 3: 2.0}, {1: 0.5, 2: 0.4, 4: 0.9, 8: 1.0, 11: 3.0}])
 def test_step_cost_costs_equal_pointwise_calls(table):
     cost = StepCost(table)
