@@ -22,7 +22,7 @@ from specdec.verify import SamplingConfig
 METHODS = ("ar", "sd", "pld", "ngrammys")
 NEEDS_DRAFT = {"sd"}
 SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic"), "ngrammys": ("cost", "static")}
-NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "n_max": 4, "strategy": "mixed", "verify": "tree", "c": None}
+NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "n_max": 6, "strategy": "mixed", "verify": "tree", "c": None}
 NGRAMMYS_CORPUS_SLOTS = 2  # ngrammys' default ``c`` where an n-gram corpus fits the model
 
 

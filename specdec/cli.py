@@ -34,7 +34,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--w", type=int, default=None, help="ngrammys: tokens per draft")
     p.add_argument("--q", type=int, default=None, help="ngrammys: context query length")
     p.add_argument("--n-max", type=int, default=None,
-                   help="ngrammys: longest suffix matched first (default 4; <= q turns that tier off)")
+                   help="ngrammys: longest suffix matched first (default 6; <= q turns that tier off)")
     p.add_argument("--strategy", choices=["mixed", "context", "bigram"], default=None, help="ngrammys draft sources")
     p.add_argument("--corpus-slots", type=int, default=None,
                    help="ngrammys: drafts from the n-gram corpus per step (default 2 with a corpus, else 0)")
