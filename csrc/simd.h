@@ -60,28 +60,38 @@ inline Fn pick(Fn avx512, Fn avx2, Fn base) {
   }
 }
 
-SPECDEC_INLINE vf splat(float v) { return vf{} + v; }
-SPECDEC_INLINE vf load(const float* p) {
-  vf v;
+// Helpers for any fp32 vector type V (vf by default, or Lanes<8>::f: on AVX2, 16-lane vectors are two
+// registers each, and GCC lowers some loops over them to scalar code with spills) and its int32 mask.
+template <typename V = vf>
+SPECDEC_INLINE V splat(float v) { return V{} + v; }
+template <typename V = vf>
+SPECDEC_INLINE V load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-SPECDEC_INLINE void store(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-SPECDEC_INLINE vf select(vi mask, vf a, vf b) { return mask ? a : b; }
-SPECDEC_INLINE vf vmax(vf a, vf b) { return a > b ? a : b; }  // b where a is NaN (maxps)
-SPECDEC_INLINE bool any(vi m) {
+template <typename V>
+SPECDEC_INLINE void store(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+template <typename M, typename V>
+SPECDEC_INLINE V select(M mask, V a, V b) { return mask ? a : b; }
+template <typename V>
+SPECDEC_INLINE V vmax(V a, V b) { return a > b ? a : b; }  // b where a is NaN (maxps)
+template <typename M>
+SPECDEC_INLINE bool any(M m) {
   int32_t r = 0;
-  for (int j = 0; j < kLanes; ++j) r |= m[j];
+  for (int j = 0; j < static_cast<int>(sizeof(M) / sizeof(int32_t)); ++j) r |= m[j];
   return r != 0;
 }
-SPECDEC_INLINE float hmax(vf v) {
+template <typename V>
+SPECDEC_INLINE float hmax(V v) {
   float r = v[0];
-  for (int j = 1; j < kLanes; ++j) r = v[j] > r ? v[j] : r;
+  for (int j = 1; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) r = v[j] > r ? v[j] : r;
   return r;
 }
-SPECDEC_INLINE float hsum(vf v) {
+template <typename V>
+SPECDEC_INLINE float hsum(V v) {
   float r = 0.0f;
-  for (int j = 0; j < kLanes; ++j) r += v[j];
+  for (int j = 0; j < static_cast<int>(sizeof(V) / sizeof(float)); ++j) r += v[j];
   return r;
 }
 

@@ -31,49 +31,21 @@ using simd::kNegInf;
 // loops to scalar code with spills: 270 us per 49k-logit row, slower than torch's softmax + topk.
 constexpr int64_t kChunk = 1024;
 
-template <int L>
-struct Vec {
-  typedef typename simd::Lanes<L>::f f;
-  typedef typename simd::Lanes<L>::i i;
-  static SPECDEC_INLINE f splat(float v) { return f{} + v; }
-  static SPECDEC_INLINE f load(const float* p) {
-    f v;
-    std::memcpy(&v, p, sizeof(v));
-    return v;
+// L logits as fp32, divided by the temperature (a true division, as the reference; skipped at 1).
+template <int L, typename scalar_t>
+SPECDEC_INLINE typename simd::Lanes<L>::f load_scaled(const scalar_t* x, float temperature) {
+  typename simd::Lanes<L>::f v;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(&v, x, sizeof(v));
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    v = simd::load_bf16_n<L>(reinterpret_cast<const uint16_t*>(x));
+  } else if constexpr (std::is_same_v<scalar_t, at::Half>) {
+    v = simd::load_f16_n<L>(reinterpret_cast<const uint16_t*>(x));
+  } else {
+    for (int j = 0; j < L; ++j) v[j] = static_cast<float>(x[j]);
   }
-  static SPECDEC_INLINE void store(float* p, f v) { std::memcpy(p, &v, sizeof(v)); }
-  static SPECDEC_INLINE f vmax(f a, f b) { return a > b ? a : b; }  // b where a is NaN (maxps)
-  static SPECDEC_INLINE bool any(i m) {
-    int32_t r = 0;
-    for (int j = 0; j < L; ++j) r |= m[j];
-    return r != 0;
-  }
-  static SPECDEC_INLINE float hmax(f v) {
-    float r = v[0];
-    for (int j = 1; j < L; ++j) r = v[j] > r ? v[j] : r;
-    return r;
-  }
-  static SPECDEC_INLINE float hsum(f v) {
-    float r = 0.0f;
-    for (int j = 0; j < L; ++j) r += v[j];
-    return r;
-  }
-  // L logits as fp32, divided by the temperature (a true division, as the reference; skipped at 1).
-  template <typename scalar_t>
-  static SPECDEC_INLINE f load_scaled(const scalar_t* x, float temperature) {
-    f v;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      v = load(x);
-    } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      v = simd::load_bf16_n<L>(reinterpret_cast<const uint16_t*>(x));
-    } else if constexpr (std::is_same_v<scalar_t, at::Half>) {
-      v = simd::load_f16_n<L>(reinterpret_cast<const uint16_t*>(x));
-    } else {
-      for (int j = 0; j < L; ++j) v[j] = static_cast<float>(x[j]);
-    }
-    return temperature == 1.0f ? v : v / temperature;
-  }
-};
+  return temperature == 1.0f ? v : v / temperature;
+}
 
 // Top-k so far, sorted descending by value; ties keep the smaller index first.
 struct TopK {
@@ -97,8 +69,8 @@ struct TopK {
 template <typename scalar_t, int L>
 SPECDEC_INLINE void topk_entropy_row(const scalar_t* row, int64_t V, int64_t k, float temperature, float* probs,
                                      int64_t* ids, float* entropy, float* lse) {
-  using V_ = Vec<L>;
-  using vf = typename V_::f;
+  using namespace simd;
+  using vf = typename Lanes<L>::f;
   constexpr int64_t kGroup = 4 * L;
   alignas(64) float buf[kChunk];
   TopK top{k, {}, {}};
@@ -110,20 +82,20 @@ SPECDEC_INLINE void topk_entropy_row(const scalar_t* row, int64_t V, int64_t k, 
     const int64_t n = std::min(kChunk, V - c0), n_vec = n / L * L;
     // Pad to whole groups with -inf, which adds nothing to the sums and never enters the top-k.
     const int64_t n_pad = (n + kGroup - 1) / kGroup * kGroup;
-    vf mx = V_::splat(kNegInf);
+    vf mx = splat<vf>(kNegInf);
     for (int64_t i = 0; i < n_vec; i += L) {
-      const vf x = V_::load_scaled(row + c0 + i, temperature);
-      V_::store(buf + i, x);
-      mx = V_::vmax(x, mx);
+      const vf x = load_scaled<L>(row + c0 + i, temperature);
+      store(buf + i, x);
+      mx = vmax(x, mx);
     }
     for (int64_t i = n_vec; i < n; ++i) buf[i] = static_cast<float>(row[c0 + i]) / temperature;
     for (int64_t i = n; i < n_pad; ++i) buf[i] = kNegInf;
-    for (int64_t i = n_vec; i < n_pad; i += L) mx = V_::vmax(V_::load(buf + i), mx);
-    const float cm = V_::hmax(mx);
+    for (int64_t i = n_vec; i < n_pad; i += L) mx = vmax(load<vf>(buf + i), mx);
+    const float cm = hmax(mx);
     // Streaming top-k: only values above the current k-th enter.
     if (!top.full() || cm > top.threshold()) {
       for (int64_t i = 0; i < n_pad; i += L) {
-        if (top.full() && !V_::any(V_::load(buf + i) > V_::splat(top.threshold()))) continue;
+        if (top.full() && !any(load<vf>(buf + i) > splat<vf>(top.threshold()))) continue;
         for (int64_t j = i; j < std::min(i + L, n); ++j) top.offer(buf[j], c0 + j);
       }
     }
@@ -137,17 +109,17 @@ SPECDEC_INLINE void topk_entropy_row(const scalar_t* row, int64_t V, int64_t k, 
       m = cm;
     }
     vf a0[4] = {}, a1[4] = {};
-    const vf mv = V_::splat(m), floor = V_::splat(-100.0f);
+    const vf mv = splat<vf>(m), floor = splat<vf>(-100.0f);
     for (int64_t i = 0; i < n_pad; i += kGroup) {
       for (int u = 0; u < 4; ++u) {
-        const vf t = V_::vmax(V_::load(buf + i + u * L) - mv, floor);  // -inf -> -100, whose e^t is 0
+        const vf t = vmax(load<vf>(buf + i + u * L) - mv, floor);  // -inf -> -100, whose e^t is 0
         const vf e = simd::exp_nonpos_v(t);
         a0[u] += e;
         a1[u] += e * t;
       }
     }
-    s0 += V_::hsum((a0[0] + a0[1]) + (a0[2] + a0[3]));
-    s1 += V_::hsum((a1[0] + a1[1]) + (a1[2] + a1[3]));
+    s0 += hsum((a0[0] + a0[1]) + (a0[2] + a0[3]));
+    s1 += hsum((a1[0] + a1[1]) + (a1[2] + a1[3]));
   }
   if (m == kNegInf) {  // every logit -inf: softmax undefined, as in the reference
     *lse = kNegInf;

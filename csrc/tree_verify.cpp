@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -53,29 +52,21 @@ SPECDEC_INLINE int64_t argmax_row(const scalar_t* x, int64_t V) {
       p = x + c0;
     } else {
       const auto* h = reinterpret_cast<const uint16_t*>(x + c0);
-      for (int64_t i = 0; i < n_full; i += 8) {
-        const v8 v = std::is_same_v<scalar_t, at::BFloat16> ? load_bf16_n<8>(h + i) : load_f16_n<8>(h + i);
-        std::memcpy(buf + i, &v, sizeof(v));
-      }
+      for (int64_t i = 0; i < n_full; i += 8)
+        store(buf + i, std::is_same_v<scalar_t, at::BFloat16> ? load_bf16_n<8>(h + i) : load_f16_n<8>(h + i));
       for (int64_t i = n_full; i < n; ++i) buf[i] = static_cast<float>(x[c0 + i]);
       p = buf;
     }
-    v8 mx0 = v8{} + kNegInf, mx1 = mx0;
+    v8 mx0 = splat<v8>(kNegInf), mx1 = mx0;
     v8i nan = v8i{};
     for (int64_t i = 0; i < n_full; i += 16) {
-      v8 a, b;
-      std::memcpy(&a, p + i, sizeof(a));
-      std::memcpy(&b, p + i + 8, sizeof(b));
-      mx0 = a > mx0 ? a : mx0;  // NaN lanes keep the old maximum; the NaN mask catches them
-      mx1 = b > mx1 ? b : mx1;
+      const v8 a = load<v8>(p + i), b = load<v8>(p + i + 8);
+      mx0 = vmax(a, mx0);  // NaN lanes keep the old maximum; the NaN mask catches them
+      mx1 = vmax(b, mx1);
       nan |= (a != a) | (b != b);
     }
-    float cm = kNegInf;
-    bool has_nan = false;
-    for (int j = 0; j < 8; ++j) {
-      cm = std::max(cm, std::max(mx0[j], mx1[j]));
-      has_nan |= nan[j] != 0;
-    }
+    float cm = hmax(vmax(mx0, mx1));
+    bool has_nan = any(nan);
     for (int64_t i = n_full; i < n; ++i) {
       cm = std::max(cm, p[i]);
       has_nan |= std::isnan(p[i]);
