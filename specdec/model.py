@@ -110,13 +110,10 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
     # key visible is SDPA's unmasked (flash) path.
     if meta.attention == "kernel" and (query.device.type == "cpu" or not meta.all_visible(window)):
         p = meta.prefix_len
-        if meta.native is not None:  # the cache view as the prefix: the kernel reads keys < cache_lens <= p
-            out = meta.native(query, key, value, meta.cache_lens, key[:, :, p:], value[:, :, p:], meta.tree_mask,
-                              scaling, meta.positions if window is not None else None, window)
-            return out.transpose(1, 2).contiguous(), None
-        out = kernels.tree_attention(
-            query, key[:, :, :p], value[:, :, :p], meta.cache_lens, key[:, :, p:], value[:, :, p:], meta.tree_mask,
-            scaling, meta.positions if window is not None else None, window)
+        # The whole cache view serves as the prefix: keys at or past cache_lens (<= p) are never visible.
+        attend = meta.native or kernels.tree_attention
+        out = attend(query, key, value, meta.cache_lens, key[:, :, p:], value[:, :, p:], meta.tree_mask, scaling,
+                     meta.positions if window is not None else None, window)
         return out.transpose(1, 2).contiguous(), None
     mask = meta.dense(window)
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -313,10 +310,11 @@ class ModelRunner:
         their first chain first), the accepted KV is already in place and nothing moves.
         """
         rows_aligned = self.batch_size == 1 or bool((self.cache.lengths == self.cache.write_pos).all())
+        in_place = rows_aligned and is_chain
         if rows_aligned and not is_chain:
             ar = torch.arange(path.shape[1], device=path.device)
-            is_chain = bool(((path == ar) | (ar >= path_len[:, None])).all())
-        if not (is_chain and rows_aligned):
+            in_place = bool(((path == ar) | (ar >= path_len[:, None])).all())
+        if not in_place:
             src = self.cache.write_pos + path.clamp(min=0)
             kernels.kv_compact(self.cache.buffers(), src, self.cache.lengths, path_len.long())
         self.cache.lengths += path_len.long()
