@@ -34,9 +34,10 @@ constexpr int64_t kChunk = 1024;
 // L logits as fp32, divided by the temperature (a true division, as the reference; skipped at 1).
 template <int L, typename scalar_t>
 SPECDEC_INLINE typename simd::Lanes<L>::f load_scaled(const scalar_t* x, float temperature) {
-  typename simd::Lanes<L>::f v;
+  typedef typename simd::Lanes<L>::f V;
+  V v;
   if constexpr (std::is_same_v<scalar_t, float>) {
-    std::memcpy(&v, x, sizeof(v));
+    v = simd::load<V>(x);
   } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     v = simd::load_bf16_n<L>(reinterpret_cast<const uint16_t*>(x));
   } else if constexpr (std::is_same_v<scalar_t, at::Half>) {

@@ -10,9 +10,9 @@ writes its ``T`` tokens at the common offset ``write_pos = max(lengths)``; :meth
 then moves the accepted nodes to ``lengths[b] ...`` with one KV-compaction call over all layers.
 
 Attention over that layout has two implementations (``ModelRunner(attention=...)``, default from
-``$SPECDEC_ATTN``): ``"kernel"`` calls :func:`specdec.kernels.tree_attention` with the prefix
-``[0, write_pos)`` (valid up to ``lengths[b]``) and the tree ``[write_pos, write_pos + T)`` as
-separate operands, so no dense mask is built; ``"sdpa"`` builds one dense ``[B,1,T,write_pos+T]``
+``$SPECDEC_ATTN``): ``"kernel"`` calls :func:`specdec.kernels.tree_attention` with the whole cache
+view ``[0, write_pos + T)`` as the prefix (keys at or past ``lengths[b]`` are never visible there) and
+the tree ``[write_pos, write_pos + T)`` as its own operands, so no dense mask is built; ``"sdpa"`` builds one dense ``[B,1,T,write_pos+T]``
 mask per forward and calls SDPA (the fallback where no tree-attention kernel is built).
 """
 from __future__ import annotations
