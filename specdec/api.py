@@ -22,7 +22,8 @@ from specdec.verify import SamplingConfig
 METHODS = ("ar", "sd", "pld", "ngrammys")
 NEEDS_DRAFT = {"sd"}
 SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic"), "ngrammys": ("cost", "static")}
-NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "n_max": 6, "strategy": "mixed", "verify": "tree", "c": None}
+NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "n_max": 6, "strategy": "mixed", "verify": "tree", "c": None,
+                     "support": 1}
 NGRAMMYS_CORPUS_SLOTS = 2  # ngrammys' default ``c`` where an n-gram corpus fits the model
 
 
@@ -162,7 +163,8 @@ class SpecDecoder:
         ``n_max`` tokens ranked first (``n_max <= q``: off), ``strategy`` (``mixed``,
         ``context``, ``bigram``) and ``verify`` (``tree``, ``batch``, ``chain``), defaults in
         ``NGRAMMYS_DEFAULTS``; ``schedule`` ``cost`` (default: each row's tree is pruned to the nodes
-        worth their measured verification cost, by acceptance learned per source, rank and depth) or
+        worth their measured verification cost, by acceptance learned per source, rank and depth, and with
+        ``support=1`` (default) per how many drafts share the node) or
         ``static`` (all k x w drafts, as in the paper); ``c``: slots for drafts from the n-gram corpus, after
         the longest-suffix matches, looked up with suffixes of up to ``n_max`` tokens (default ``min(2, k)`` where the
         decoder has a corpus and the strategy is not ``bigram``, else 0)."""

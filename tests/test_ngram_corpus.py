@@ -149,7 +149,7 @@ def test_drafter_slot_order_by_hand():
     drafter = NGrammysDrafter(None, k=4, w=3, strategy="context", corpus=corpus, c=1, cost=cost)
     tree = drafter.propose(state, 3)
     assert tree.size == 1 + 3 + 3 + 2  # 7 shared by both context drafts
-    sources = sorted(set((drafter._slot // (4 * 3)).tolist()[0][1:]))
+    sources = sorted(set((drafter._slot // (4 * 3 * NodeAcceptance.SUPPORT)).tolist()[0][1:]))
     assert sources == [1, 4, n_src + 1]
     with pytest.raises(ValueError, match="corpus"):
         NGrammysDrafter(None, k=4, w=3, strategy="context", c=1)

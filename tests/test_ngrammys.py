@@ -51,7 +51,7 @@ def test_ngrammys_ragged_batch():
 
 def test_context_drafts_put_the_longest_match_first_by_hand():
     from specdec.drafters.base import DecodeState
-    from specdec.drafters.ngrammys import NGrammysDrafter
+    from specdec.drafters.ngrammys import NGrammysDrafter, NodeAcceptance
 
     seq = torch.tensor([REPETITIVE])
     state = DecodeState(seq, torch.tensor([len(REPETITIVE)]), [len(REPETITIVE)])
@@ -62,14 +62,16 @@ def test_context_drafts_put_the_longest_match_first_by_hand():
     assert n.tolist() == [2] and n_long.tolist() == [1]
     drafter = NGrammysDrafter(None, k=4, w=3, strategy="context", cost=StepCost({1: 1.0, 16: 1.0}))
     drafter.propose(state, 3)  # nearly free verification: every node is kept
-    source = (drafter._slot // (4 * 3)).tolist()[0]
+    cell = drafter._slot[0]
+    source, support = (cell // (4 * 3 * NodeAcceptance.SUPPORT)).tolist(), (cell % NodeAcceptance.SUPPORT).tolist()
     # root, 7 9 5 (a 4-token suffix match: source 2 + 4 - 1 - 1), 7 8 5 (a q-match, source 1; 7 is shared)
-    assert source[1:] == [4, 4, 4, 1, 1]
+    assert source[1:] == [4, 4, 4, 1, 1] and support[1:] == [1, 0, 0, 0, 0]
     short = [3, 4, 9, 3, 4]  # the longest earlier match is the 2 tokens 3 4 (source 2), the q-match 4 gives 9
     st = DecodeState(torch.tensor([short]), torch.tensor([5]), [5])
     drafter = NGrammysDrafter(None, k=2, w=2, strategy="context", cost=StepCost({1: 1.0, 16: 1.0}))
     tree = drafter.propose(st, 2)
-    assert tree.tokens[0, 1:].tolist() == [9, 3] and (drafter._slot // (2 * 2)).tolist()[0][1:] == [2, 2]
+    assert tree.tokens[0, 1:].tolist() == [9, 3]
+    assert (drafter._slot // (2 * 2 * NodeAcceptance.SUPPORT)).tolist()[0][1:] == [2, 2]
     # Verification cost that doubles per node keeps only the root, but an exploring plan keeps one node more.
     steep = {1: 1.0, 2: 2.0, 3: 4.0, 4: 8.0, 5: 16.0, 6: 32.0}
     for every, size in ((0, 1), (1, 2)):
@@ -78,6 +80,17 @@ def test_context_drafts_put_the_longest_match_first_by_hand():
     drafts, n, n_long, match_n = NGrammysDrafter(None, k=4, w=3, n_max=1, strategy="context").context_drafts(state, 3)
     assert drafts[0].tolist() == [[7, 8, 5], [7, 9, 5], [-1] * 3, [-1] * 3]  # q-matches alone, by count
     assert n.tolist() == [2] and n_long.tolist() == [0] and match_n.tolist() == [0]
+
+
+def test_support_level_by_hand():
+    from specdec.drafters.ngrammys import support_level
+
+    drafts = torch.tensor([[[1, 2, 3], [1, 2, 4], [1, 5, -1], [-1, -1, -1]],
+                           [[6, -1, 7], [6, 8, 9], [-1, -1, -1], [-1, -1, -1]]])
+    # 1 starts three drafts (level 2), 1 2 two (level 1); a draft ends at its first padding, so the
+    # second row's first draft is the lone token 6, which the second draft shares
+    assert support_level(drafts).tolist() == [[[2, 1, 0], [2, 1, 0], [2, 0, 0], [0, 0, 0]],
+                                              [[1, 0, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]]]
 
 
 def test_ngrammys_options_are_checked():
