@@ -242,7 +242,8 @@ class NodeAcceptance:
     A cell is ``((source * k + rank) * w + depth) * SUPPORT + support``.
     """
 
-    SUPPORT = 3  # support levels: one draft, two, three or more
+    SUPPORT_PRIOR = (1.0, 1.6, 2.2)  # the prior's factor per support level: one draft, two, three or more
+    SUPPORT = len(SUPPORT_PRIOR)
 
     @staticmethod
     def sources(q: int, n_max: int, corpus: bool = False) -> int:
@@ -264,7 +265,7 @@ class NodeAcceptance:
         # corpus matches of 1 .. n_max tokens: a 1-token match is about a bigram row's worth
         cors = [min(0.6, 0.15 * (1 + j)) * 0.8**depth / (1 + rank) for j in range(n_max if corpus else 0)]
         base = torch.stack([big, ctx, *longs, *cors])  # [sources, k, w]
-        boost = torch.tensor([1.0, 1.6, 2.2], dtype=torch.float64)  # shared by 2, 3+ drafts
+        boost = torch.tensor(self.SUPPORT_PRIOR, dtype=torch.float64)
         prior = (base[..., None] * boost).clamp(max=0.95).reshape(-1)
         self.accepted = prior * prior_weight
         self.proposed = torch.full_like(prior, prior_weight)
