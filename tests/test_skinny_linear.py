@@ -30,7 +30,7 @@ def _linear(kernel: str, x, w, b, backend: str = "cpp"):
 @pytest.mark.parametrize("kernel", ["skinny", "packed"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (2, 77, 5), (3, 8, 17), (5, 8, 1), (4, 200, 48), (7, 31, 64),
-                                   (9, 200, 33), (16, 576, 130), (13, 19, 33), (40, 31, 7)])
+                                   (8, 40, 40), (9, 200, 33), (16, 576, 130), (13, 19, 33), (40, 31, 7)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_reference(kernel, dtype, m, k, n, bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
@@ -109,7 +109,8 @@ def test_pack_layout(dtype):
 @pytest.mark.parametrize("k,n", [(203, 150), (17, 4100)])  # (17, 4100): enough panels to split over threads
 def test_packed_batch_invariant(dtype, k, n):
     """Every row of an M-row call equals, bit for bit, the row alone, in any other batch (any row
-    blocking: 1, 2, 3-6 and several blocks) and with one thread or two."""
+    blocking: 1, 2, 3-6, 6 + 1 and 6 + 2 over panel pairs (odd panel counts too), and several blocks)
+    and with one thread or two."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(20, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -118,7 +119,7 @@ def test_packed_batch_invariant(dtype, k, n):
     full = packed_linear(x, packed, n, b, backend="cpp")
     for i in range(20):
         assert torch.equal(packed_linear(x[i:i + 1], packed, n, b, backend="cpp")[0], full[i])
-    for lo, hi in [(0, 2), (3, 6), (5, 12), (2, 13), (1, 9), (4, 20)]:
+    for lo, hi in [(0, 2), (3, 6), (5, 12), (2, 13), (1, 9), (4, 20), (12, 20)]:
         assert torch.equal(packed_linear(x[lo:hi], packed, n, b, backend="cpp"), full[lo:hi])
     threads = torch.get_num_threads()
     try:
