@@ -119,7 +119,7 @@ SPECDEC_INLINE void gemm_six_plus(const Op& op, const float* x, int64_t ldx, int
 // out[M, 16 p] for panels [p_begin, p_end) of x[M, K] . B: panels outer (one panel's steps stay in
 // L1 while every row block reads them), rows in near-equal blocks of at most six, except 7 and 8 rows:
 // 6 + 1 or 6 + 2, the short block over two panels (gemm_six_plus; all 211 bf16 weights of SmolLM2, one
-// thread, three alternating rounds: 8 rows 29.7-31.6 -> 27.7-28.6 ms, 7 rows 28.7-30.1 -> 26.5-27.3 ms).
+// thread, alternating builds: 8 rows 29.3-31.6 -> 27.6-28.6 ms, 7 rows 28.7-30.1 -> 26.5-27.3 ms).
 template <int wide_rows, typename Op>
 SPECDEC_INLINE void gemm(const Op& op, const float* x, int64_t ldx, int64_t M, int64_t K, int64_t p_begin,
                          int64_t p_end) {

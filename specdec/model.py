@@ -12,8 +12,9 @@ then moves the accepted nodes to ``lengths[b] ...`` with one KV-compaction call 
 Attention over that layout has two implementations (``ModelRunner(attention=...)``, default from
 ``$SPECDEC_ATTN``): ``"kernel"`` calls :func:`specdec.kernels.tree_attention` with the whole cache
 view ``[0, write_pos + T)`` as the prefix (keys at or past ``lengths[b]`` are never visible there) and
-the tree ``[write_pos, write_pos + T)`` as its own operands, so no dense mask is built; ``"sdpa"`` builds one dense ``[B,1,T,write_pos+T]``
-mask per forward and calls SDPA (the fallback where no tree-attention kernel is built).
+the tree ``[write_pos, write_pos + T)`` as its own operands, so no dense mask is built; ``"sdpa"``
+builds one dense ``[B,1,T,write_pos+T]`` mask per forward and calls SDPA (the fallback where no
+tree-attention kernel is built).
 """
 from __future__ import annotations
 

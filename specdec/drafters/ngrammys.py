@@ -20,6 +20,7 @@ import torch
 
 from specdec import kernels
 from specdec.drafters.base import DecodeState, Drafter
+from specdec.kernels.reference import shared_prefixes
 from specdec.ngram_corpus import NGramCorpus
 from specdec.ngram_tables import NGramTables, extend_bigram
 from specdec.policies import StepCost
@@ -226,9 +227,7 @@ def support_level(drafts: torch.Tensor) -> torch.Tensor:
     that agree are accepted far more often than either alone: on 24 dev prompts (bf16) a verified node
     was accepted 20% of the time alone, 42% when two drafts shared it and 67% with three or more, and
     the gap holds within each (source, rank, depth) cell."""
-    ok = (drafts >= 0).cumprod(-1).bool()
-    same = (drafts[:, :, None, :] == drafts[:, None, :, :]).cumprod(-1).bool() & ok[:, None, :, :]
-    return (same.sum(2) - 1).clamp(0, NodeAcceptance.SUPPORT - 1)
+    return (shared_prefixes(drafts).sum(2) - 1).clamp(0, NodeAcceptance.SUPPORT - 1)
 
 
 class NodeAcceptance:

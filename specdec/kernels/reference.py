@@ -315,6 +315,14 @@ def subtree(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, ke
     return tokens.gather(1, old), parents_new, valid_new, old
 
 
+def shared_prefixes(drafts: torch.Tensor) -> torch.Tensor:
+    """drafts: ``[B,k,w]`` (-1 padded; a draft ends at its first padding) -> ``[B,k,k,w] bool``: drafts ``i``
+    and ``j`` of a row both reach depth ``d`` and agree on every token up to it."""
+    live = (drafts >= 0).cumprod(-1).bool()
+    same = (drafts[:, :, None, :] == drafts[:, None, :, :]).cumprod(-1).bool()
+    return same & live[:, :, None, :] & live[:, None, :, :]
+
+
 def draft_tree(
     root: torch.Tensor, drafts: torch.Tensor, merge: bool = True, accept: torch.Tensor | None = None,
     cost: torch.Tensor | None = None, extra: int = 0,
@@ -325,8 +333,7 @@ def draft_tree(
     chain_ok = (drafts >= 0).cumprod(-1).bool()  # [B,k,w]: a chain ends at its first padding
     ar_k = torch.arange(k, device=dev)
     if merge:
-        same = (drafts[:, :, None, :] == drafts[:, None, :, :]).cumprod(-1).bool()  # [B,k,k,w] equal prefixes
-        same &= chain_ok[:, :, None, :] & chain_ok[:, None, :, :]
+        same = shared_prefixes(drafts)
         owner = torch.where(same, ar_k[None, None, :, None], k).amin(2).clamp(max=k - 1)  # first chain with the prefix
     else:
         owner = ar_k[None, :, None].expand(b, k, w)
