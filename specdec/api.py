@@ -63,13 +63,14 @@ class SpecDecoder:
     tokenizer's vocabulary, if any), None, a file written by ``specdec ngram-corpus``, or an ``NGramCorpus``. ``draft`` may be a list: the first
     is the default, ``sd``'s ``draft=NAME`` option picks another (loaded ones are ``draft0``, ...). ``linear``: kernel of the linear
     layers of models loaded by name (``auto``, ``packed``, ``skinny``, ``torch``; see :mod:`specdec.linear`); a
-    loaded model is used as given.
+    loaded model is used as given. ``compile``: the runners of target and drafts run their decode forwards
+    through ``torch.compile`` (:class:`ModelRunner`); compiling happens here, before any call is timed.
     """
 
     def __init__(self, model: str | PreTrainedModel = DEFAULT_MODEL,
                  draft: str | PreTrainedModel | list | None = None,
                  dtype: str = "fp32", tokenizer=None, device: str = "cpu", linear: str = "auto",
-                 corpus: "str | NGramCorpus | None" = "auto"):
+                 corpus: "str | NGramCorpus | None" = "auto", compile: bool = False):
         if isinstance(model, PreTrainedModel):
             self.model, self.tokenizer = model.eval(), tokenizer
         else:
@@ -88,9 +89,11 @@ class SpecDecoder:
                                  f"{dm.config.hidden_size}, the target's are {width}: it was made for another target")
             if name in self.drafts:
                 raise ValueError(f"draft {name!r} given twice")
-            self.drafts[name] = (dm, ModelRunner(dm))
+            self.drafts[name] = (dm, ModelRunner(dm, compile=compile))
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
-        self.runner = ModelRunner(self.model)
+        self.runner = ModelRunner(self.model, compile=compile)
+        for runner in [self.runner] + [r for _, r in self.drafts.values()]:
+            runner.warm_up()
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None
         self._pld_acceptance = AcceptanceModel()  # learned across calls: one model, one workload

@@ -182,9 +182,10 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int, sampling: SamplingConfig,
-                 linear: str = "torch") -> dict:
+                 linear: str = "torch", compile: bool = False) -> dict:
     return {
-        "model": model, "draft": draft, "dtype": dtype, "linear": linear, "max_new_tokens": max_new_tokens,
+        "model": model, "draft": draft, "dtype": dtype, "linear": linear, "compile": compile,
+        "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "machine": platform.machine(),

@@ -21,6 +21,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="linear layers of target and draft: specdec's packed kernel (weights prepacked once; "
                         "streams them once for all verified tokens, batch-invariant), its skinny kernel (weights "
                         "as stored), torch's, or auto (default: packed on CPU when specdec._C is built)")
+    p.add_argument("--compile", action="store_true",
+                   help="run specdec's decode forwards (target and drafts) through torch.compile: fuses the model's "
+                        "small ops; compiles at start (minutes on a CPU). hf baselines stay eager")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -64,7 +67,7 @@ def _decoder(args):
     from specdec.api import SpecDecoder
 
     return SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype, linear=args.linear,
-                       corpus=None if args.corpus == "none" else args.corpus)
+                       corpus=None if args.corpus == "none" else args.corpus, compile=args.compile)
 
 
 def cmd_generate(args) -> int:
@@ -92,7 +95,8 @@ def cmd_bench(args) -> int:
     s = _sampling(args)
     options = {m: _method_options(args, m) for m in methods}
     result = run_bench(dec, methods, prompts, args.max_new_tokens, s, options,
-                       bench_config(args.model, args.draft, args.dtype, args.max_new_tokens, s, args.linear))
+                       bench_config(args.model, args.draft, args.dtype, args.max_new_tokens, s, args.linear,
+                                    args.compile))
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -153,6 +153,14 @@ class SkinnyLinear(nn.Linear):
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             if 0 < x.numel() <= self.max_rows * k and x.shape[-1] == k > 0:
                 shape = x.shape[:-1] + (self.out_features,)
+                if torch.compiler.is_compiling():
+                    # Traced by torch.compile (ModelRunner(compile=True)): no lazy lookup, no data_ptr check;
+                    # the runner refreshes the packed weights (refresh_packed) before compiled forwards.
+                    ops = torch.ops.specdec
+                    if self.prepack:
+                        return ops.packed_linear.default(x.reshape(-1, k), self._packed, self.out_features,
+                                                         self.bias).view(shape)
+                    return ops.skinny_linear.default(x.reshape(-1, k), self.weight, self.bias).view(shape)
                 if self.prepack:
                     return _op("packed_linear")(x.reshape(-1, k), self.packed_weight(), self.out_features,
                                                 self.bias).view(shape)
@@ -160,6 +168,16 @@ class SkinnyLinear(nn.Linear):
             if self.widen and x.dtype in (torch.bfloat16, torch.float16):
                 return widened_linear(x, self.weight, self.bias)
         return super().forward(x)
+
+
+def refresh_packed(model: nn.Module) -> None:
+    """Bring every prepacked :class:`SkinnyLinear` of ``model`` up to date with its weight (a compiled
+    forward reads the packed copies as they are; eager forwards check them on each call)."""
+    for m in model.modules():
+        if isinstance(m, SkinnyLinear) and m.prepack and m.weight.device.type == "cpu":
+            # Static under torch.compile(dynamic=True): a panel count that happens to equal some dynamic
+            # size (the cache length) would otherwise be unified with it into one symbol.
+            torch._dynamo.mark_static(m.packed_weight())
 
 
 def use_skinny_linear(model: nn.Module, max_rows: int | None = None, prepack: bool = False) -> int:

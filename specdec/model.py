@@ -195,14 +195,29 @@ class PreallocatedCache(Cache):
         return out
 
 
+def _inference(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it made in inference mode if it is an ordinary tensor."""
+    if x.is_inference():
+        return x
+    with torch.inference_mode():
+        return x.clone()
+
+
 class ModelRunner:
     """Runs a causal LM over draft trees with a preallocated cache.
 
     State: ``lengths [B]`` committed KV per row. The caller keeps the tokens; the runner keeps KV.
     """
 
-    def __init__(self, model: PreTrainedModel, attention: str | None = None):
-        """attention: ``"kernel"`` or ``"sdpa"`` (default: :func:`default_attention`)."""
+    def __init__(self, model: PreTrainedModel, attention: str | None = None, compile: bool = False):
+        """attention: ``"kernel"`` or ``"sdpa"`` (default: :func:`default_attention`).
+
+        compile: run verification forwards (every forward but the prompt's) through ``torch.compile`` of
+        the model, which fuses transformers' small ops (norms, rotary, activations, residuals) and drops the
+        per-module Python between them; the prompt, whose products are large, stays eager. The model object
+        itself is not changed: other callers (``model.generate``) stay eager. The first forward of each kind
+        (one token, a chain, a tree) compiles; :meth:`warm_up` does that up front.
+        """
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("specdec supports decoder-only models")
         if model.config._attn_implementation != ATTN_IMPL:
@@ -215,27 +230,67 @@ class ModelRunner:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTIONS}")
         self._pool: dict = {}
+        self._compiled = None
+        if compile:
+            if self.device.type == "cpu":
+                from specdec.linear import refresh_packed
+
+                refresh_packed(model)
+            # dynamic: the tree size, the cache view's length and the write offset vary from call to call.
+            self._compiled = torch.compile(model, dynamic=True)
         self.reset(1, 0)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
 
     def reset(self, batch_size: int, capacity: int) -> None:
         """Drop all state: ``batch_size`` empty rows with room for ``capacity`` positions each."""
         self.batch_size = batch_size
         self.cache = PreallocatedCache(self.config.num_hidden_layers, batch_size, capacity, self.device, self._pool)
+        if self._compiled is not None and self.device.type == "cpu":
+            from specdec.linear import refresh_packed
+
+            refresh_packed(self.model)  # weights changed since the last generation are repacked here
+
+    def warm_up(self) -> None:
+        """Compile now (``compile=True``; otherwise nothing to do): one forward of each kind a decode
+        loop runs, a single token, a chain and a tree, on a throwaway context. Drops all state.
+        (Not in inference mode: the decode loops' inputs are ordinary tensors, and a compiled graph
+        is specialised on which kind it saw.)"""
+        if self._compiled is None:
+            return
+        ids = torch.zeros(1, 8, dtype=torch.int64, device=self.device)
+        self.reset(1, ids.shape[1] + 4)
+        self.prefill(ids, torch.tensor([ids.shape[1]], device=self.device))
+        root = ids[:, 0]
+        for tree in (DraftTree.chain(root), DraftTree.chain(root, ids[:, :2]),
+                     DraftTree.from_chains(root, [[[1, 2], [3]]])):
+            self.forward_tree(tree)
+        self.reset(1, 0)
 
     @property
     def lengths(self) -> torch.Tensor:
         return self.cache.lengths
 
-    def _run(self, input_ids, positions, tree_mask, logits_to_keep=0, return_hidden=False, extra_inputs=None):
+    def _run(self, input_ids, positions, tree_mask, logits_to_keep=0, return_hidden=False, extra_inputs=None,
+             compiled=False):
         t = input_ids.shape[1]
         if self.cache.write_pos + t > self.cache.capacity:
             raise ValueError(f"{self.cache.write_pos + t} positions exceed the cache capacity {self.cache.capacity}")
+        forward = self.model
+        if compiled and self._compiled is not None:
+            forward = self._compiled
+            # A compiled graph is specialised on whether its inputs are inference tensors; callers make
+            # them either way, so they are all made inference tensors here (a copy of a few ints).
+            input_ids, positions = _inference(input_ids), _inference(positions)
+            tree_mask = None if tree_mask is None else _inference(tree_mask)
         native = None
         if self.attention == "kernel" and kernels.choose("tree_attention", self.device, None, ("cpu",), triton=True) == "native":
             native = kernels.native_ops().tree_attention
         meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions, self.batch_size == 1,
                                  self.attention, native)
-        out = self.model(
+        out = forward(
             input_ids=input_ids,
             position_ids=positions,
             past_key_values=self.cache,
@@ -299,7 +354,8 @@ class ModelRunner:
         feature-conditioned draft.
         """
         positions = tree.positions(self.cache.lengths)
-        return self._run(tree.tokens, positions, tree.mask, return_hidden=return_hidden, extra_inputs=extra_inputs)
+        return self._run(tree.tokens, positions, tree.mask, return_hidden=return_hidden, extra_inputs=extra_inputs,
+                         compiled=True)
 
     @torch.inference_mode()
     def commit(self, path: torch.Tensor, path_len: torch.Tensor, is_chain: bool, new_write_pos: int) -> None:
