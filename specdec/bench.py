@@ -54,17 +54,24 @@ def read_prompts(path: str | Path, decoder: SpecDecoder, limit: int | None = Non
 
 
 class _CallCounter:
-    """Counts forward calls of some modules (together) through forward pre-hooks."""
+    """Counts forward calls of some modules (together) through forward pre-hooks, plus the compiled calls
+    of their runners (a compiled runner calls the forward directly, so module hooks do not run)."""
 
-    def __init__(self, *modules: torch.nn.Module):
+    def __init__(self, *modules: torch.nn.Module, runners=()):
         self.n = 0
         self.handles = [m.register_forward_pre_hook(self._hook) for m in modules]
+        self.runners = list(runners)
+        self._seen = self._compiled()
+
+    def _compiled(self) -> int:
+        return sum(r.compiled_calls for r in self.runners)
 
     def _hook(self, *_):
         self.n += 1
 
     def take(self) -> int:
-        n, self.n = self.n, 0
+        compiled = self._compiled()
+        n, self.n, self._seen = self.n + compiled - self._seen, 0, compiled
         return n
 
 
@@ -111,8 +118,8 @@ def run_bench(dec: SpecDecoder, methods: list[str], prompts: list[Prompt], max_n
             raise ValueError("hf-assisted cannot drive a feature-conditioned (EAGLE) draft: transformers' assisted "
                              "generation does not hand it the target's hidden states; use sd")
     methods = ["hf"] + [m for m in methods if m != "hf"]
-    target_calls = _CallCounter(dec.model)
-    draft_calls = _CallCounter(*[m for m, _ in dec.drafts.values()])
+    target_calls = _CallCounter(dec.model, runners=[dec.runner])
+    draft_calls = _CallCounter(*[m for m, _ in dec.drafts.values()], runners=[r for _, r in dec.drafts.values()])
 
     # Warm up every method once (first calls pay for lazy initialisation and allocator growth).
     for m in methods:

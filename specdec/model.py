@@ -163,7 +163,8 @@ class PreallocatedCache(Cache):
     def __init__(self, num_layers: int, batch_size: int, capacity: int, device: torch.device, pool: dict):
         super().__init__(layers=[_PreallocatedLayer(self, i) for i in range(num_layers)])
         self.capacity = capacity
-        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        with torch.inference_mode():  # as every tensor of a forward is (one kind: see ModelRunner._run)
+            self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.write_pos = 0  # host mirror of max(lengths): where the next forward writes
         self.pool = pool
 
@@ -183,6 +184,9 @@ class PreallocatedCache(Cache):
         shape = (b, h, self.capacity, d)
         k = torch.zeros(shape, dtype=like.dtype, device=like.device)
         v = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        for t in (k, v):  # heads and head size are static under torch.compile; only the capacity varies
+            torch._dynamo.mark_static(t, 1)
+            torch._dynamo.mark_static(t, 3)
         self.pool[layer_idx] = (k, v)
         return k, v
 
@@ -237,7 +241,11 @@ class ModelRunner:
 
                 refresh_packed(model)
             # dynamic: the tree size, the cache view's length and the write offset vary from call to call.
-            self._compiled = torch.compile(model, dynamic=True)
+            # The bound forward is compiled, not the module: module hooks added later (the bench's call
+            # counter) would otherwise force a recompile. They do not run for compiled calls, which
+            # ``compiled_calls`` counts instead.
+            self._compiled = torch.compile(model.forward, dynamic=True)
+        self.compiled_calls = 0
         self.reset(1, 0)
 
     @property
@@ -260,12 +268,16 @@ class ModelRunner:
         is specialised on which kind it saw.)"""
         if self._compiled is None:
             return
-        ids = torch.zeros(1, 8, dtype=torch.int64, device=self.device)
-        self.reset(1, ids.shape[1] + 4)
+        # Sizes that equal no other dynamic size: symbols with equal values when first traced are unified
+        # (a tree size equal to the cache capacity less its offset would specialise the graph to that).
+        ids = torch.zeros(1, 20, dtype=torch.int64, device=self.device)
+        self.reset(1, 97)
         self.prefill(ids, torch.tensor([ids.shape[1]], device=self.device))
         root = ids[:, 0]
-        for tree in (DraftTree.chain(root), DraftTree.chain(root, ids[:, :2]),
-                     DraftTree.from_chains(root, [[[1, 2], [3]]])):
+        trees = (DraftTree.chain(root), DraftTree.chain(root, ids[:, :4]),
+                 DraftTree.from_chains(root, [[[1, 2], [3, 4, 5]]]),
+                 DraftTree.from_chains(root, [[[i, i + 1, i + 2] for i in range(1, 34, 3)]]))  # > 32 nodes: a wider mask
+        for tree in trees:
             self.forward_tree(tree)
         self.reset(1, 0)
 
@@ -281,6 +293,7 @@ class ModelRunner:
         forward = self.model
         if compiled and self._compiled is not None:
             forward = self._compiled
+            self.compiled_calls += 1
             # A compiled graph is specialised on whether its inputs are inference tensors; callers make
             # them either way, so they are all made inference tensors here (a copy of a few ints).
             input_ids, positions = _inference(input_ids), _inference(positions)
