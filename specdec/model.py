@@ -290,6 +290,8 @@ class ModelRunner:
         t = input_ids.shape[1]
         if self.cache.write_pos + t > self.cache.capacity:
             raise ValueError(f"{self.cache.write_pos + t} positions exceed the cache capacity {self.cache.capacity}")
+        if t == 1:
+            tree_mask = None  # a lone root sees the prefix and itself, as causal attention does
         forward = self.model
         if compiled and self._compiled is not None:
             forward = self._compiled

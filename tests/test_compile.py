@@ -6,6 +6,7 @@ import torch
 import torch._dynamo
 
 from specdec.api import SpecDecoder, hf_generate
+from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig
 from tests.conftest import tiny_model
 from tests.test_greedy_lossless import prompt_of
@@ -26,6 +27,27 @@ def _frames() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def test_warm_up_compiles_every_kind_of_forward(compiled_decoder):
+    """After warm_up (the fixture), single-row decoding compiles nothing more: one token, chains, trees,
+    a one-node tree (a step without drafts), trees past 32 nodes. A compile inside a timed decode would
+    cost minutes on the embedded model. (First in this file: later tests would compile what it misses.)"""
+    dec = compiled_decoder
+    before = _frames()
+    for prompt in (prompt_of(9, seed=9), REPETITIVE):
+        for method, opts in (("ar", {}), ("pld", {}), ("ngrammys", {"k": 5, "w": 4, "schedule": "static"}),
+                             ("ngrammys", {"k": 10, "w": 6, "schedule": "static"})):
+            dec.generate_ids([prompt], method, 20, GREEDY, **opts)
+    runner = dec.runner
+    runner.reset(1, 80)
+    runner.prefill(torch.tensor([prompt_of(11, seed=11)]), torch.tensor([11]))
+    root = torch.tensor([3])
+    for tree in (DraftTree.from_parents(root[:, None], torch.tensor([[-1]])),  # a lone root, as a tree
+                 DraftTree.from_chains(root, [[[4, 5, 6, 7, 8, 9, 10]]]),
+                 DraftTree.from_chains(root, [[[i, i + 1] for i in range(2, 60, 2)]])):
+        runner.forward_tree(tree)
+    assert _frames() == before
+
+
 @pytest.mark.parametrize("method,opts", [("ar", {}), ("pld", {}), ("ngrammys", {"k": 5, "w": 4}),
                                          ("ngrammys", {"k": 5, "w": 4, "schedule": "static"})])
 def test_compiled_methods_match_transformers(compiled_decoder, method, opts):
@@ -37,19 +59,22 @@ def test_compiled_methods_match_transformers(compiled_decoder, method, opts):
         assert out.tokens[0] == ref, (method, len(prompt))
 
 
-def test_warm_up_compiles_every_kind_of_forward(compiled_decoder):
-    """After warm_up, single-row decoding (one token, chains, trees) compiles nothing more: a compile
-    inside a timed decode would cost minutes on the embedded model."""
-    dec = compiled_decoder
-    before = _frames()
-    for prompt in (prompt_of(9, seed=9), REPETITIVE):
-        for method, opts in (("ar", {}), ("pld", {}), ("ngrammys", {"k": 5, "w": 4, "schedule": "static"})):
-            dec.generate_ids([prompt], method, 20, GREEDY, **opts)
-    assert _frames() == before
-
-
 def test_compiled_runner_leaves_the_model_eager(compiled_decoder):
     """Only the runner's calls are compiled: the model object (and so ``model.generate``) is unchanged."""
     dec = compiled_decoder
     assert type(dec.model).__name__ == "LlamaForCausalLM"
     assert dec.runner.model is dec.model
+
+
+def test_bench_counts_compiled_calls(compiled_decoder):
+    """Module hooks do not see a compiled runner's calls; the bench adds the runner's own count."""
+    from specdec.bench import Prompt, run_bench
+
+    prompts = [Prompt(f"p{n}", "cat", prompt_of(n, seed=n)) for n in (5, 14)]
+    res = run_bench(compiled_decoder, ["ar", "ngrammys"], prompts, 12, progress=False)
+    runs = {(r["method"], r["prompt_id"]): r for r in res["runs"]}
+    for p in prompts:
+        ar = runs[("ar", p.id)]
+        assert ar["target_calls"] == ar["new_tokens"]  # the eager prefill plus one compiled call per further token
+        assert 0 < runs[("ngrammys", p.id)]["target_calls"] <= runs[("ngrammys", p.id)]["new_tokens"]
+    assert all(s["identical_rate"] == 1.0 for s in res["summary"].values())
