@@ -235,11 +235,7 @@ class ModelRunner:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTIONS}")
         self._pool: dict = {}
         self._compiled = None
-        if compile:
-            if self.device.type == "cpu":
-                from specdec.linear import refresh_packed
-
-                refresh_packed(model)
+        if compile:  # reset() below brings the packed weights up to date
             # dynamic: the tree size, the cache view's length and the write offset vary from call to call.
             # The bound forward is compiled, not the module: module hooks added later (the bench's call
             # counter) would otherwise force a recompile. They do not run for compiled calls, which
@@ -262,8 +258,9 @@ class ModelRunner:
             refresh_packed(self.model)  # weights changed since the last generation are repacked here
 
     def warm_up(self) -> None:
-        """Compile now (``compile=True``; otherwise nothing to do): one forward of each kind a decode
-        loop runs, a single token, a chain and a tree, on a throwaway context. Drops all state.
+        """Compile now (``compile=True``; otherwise nothing to do): one forward of each kind a single-row
+        decode loop runs, a single token, a chain, a tree and a tree past 32 nodes (a wider packed mask), on a
+        throwaway context. Drops all state.
         (Not in inference mode: the decode loops' inputs are ordinary tensors, and a compiled graph
         is specialised on which kind it saw.)"""
         if self._compiled is None:
