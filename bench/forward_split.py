@@ -2,6 +2,11 @@
 
     OMP_NUM_THREADS=1 python -m bench.forward_split --dtype bf16 --context 400 --sizes 1,6 --json out.json
 
+With ``--compile`` a second runner over the same model runs its forwards through ``torch.compile``
+(:class:`specdec.model.ModelRunner` ``compile=True``), and its whole forward is timed in the same rounds
+(``compiled@T``), next to the eager runner's without hooks (``eager@T``; the ``forward`` column includes the
+hooks' own cost); hooks would break its graph, so it gets no linear/rest split.
+
 For each tree size T (a chain of T tokens after a ``--context``-token prompt) this times, best of ``--repeats``
 forwards, the whole forward, the linear layers inside it (forward hooks around every specdec linear) and the
 same linear layers called back to back outside the model. The rest of the forward is attention and the
@@ -19,6 +24,7 @@ import torch
 
 from specdec.api import SpecDecoder
 from specdec.linear import SkinnyLinear
+from specdec.model import ModelRunner
 from specdec.tree import DraftTree
 
 
@@ -30,6 +36,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,6")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--compile", action="store_true", help="also time a compiled runner's forwards")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     sizes = [int(t) for t in args.sizes.split(",")]
@@ -47,12 +54,24 @@ def main() -> None:
     def post(module, _, __):
         spent[0] += time.perf_counter() - started[id(module)]
 
-    hooks = [h for m in linears for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     gen = torch.Generator().manual_seed(0)
     vocab = runner.config.vocab_size
-    runner.reset(1, args.context + max(sizes) + 1)
-    runner.prefill(torch.randint(vocab, (1, args.context), generator=gen), torch.tensor([args.context]))
-    best = {(part, t): float("inf") for t in sizes for part in ("forward", "linears_in_forward", "linears_alone")}
+    prompt = torch.randint(vocab, (1, args.context), generator=gen)
+    parts = ["forward", "linears_in_forward", "linears_alone"]
+    compiled = None
+    if args.compile:
+        compiled = ModelRunner(runner.model, compile=True)
+        compiled.warm_up()  # before the hooks: they are not traced into its graphs
+        parts += ["eager", "compiled"]
+    for r in [runner] + ([compiled] if compiled else []):
+        r.reset(1, args.context + max(sizes) + 1)
+        r.prefill(prompt, torch.tensor([args.context]))
+
+    def add_hooks():
+        return [h for m in linears for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+
+    hooks = add_hooks()
+    best = {(part, t): float("inf") for t in sizes for part in parts}
     with torch.inference_mode():
         for _ in range(args.rounds):
             for t in sizes:
@@ -64,6 +83,15 @@ def main() -> None:
                     runner.forward_tree(tree)
                     best["forward", t] = min(best["forward", t], time.perf_counter() - s)
                     best["linears_in_forward", t] = min(best["linears_in_forward", t], spent[0])
+                if compiled is not None:
+                    for h in hooks:  # the compiled graphs were traced without them; keep it that way
+                        h.remove()
+                    for _ in range(args.repeats):  # both without hooks: they cost ~2 us each, 422 per forward
+                        for part, r in (("eager", runner), ("compiled", compiled)):
+                            s = time.perf_counter()
+                            r.forward_tree(tree)
+                            best[part, t] = min(best[part, t], time.perf_counter() - s)
+                    hooks = add_hooks()
                 xs = {k: torch.randn(1, t, k, generator=gen).to(linears[0].weight.dtype) for k in {m.in_features for m in linears}}
                 for _ in range(args.repeats):
                     spent[0] = 0.0
@@ -75,10 +103,11 @@ def main() -> None:
     ms = {f"{part}@{t}": round(v * 1e3, 2) for (part, t), v in best.items()}
     print(f"{args.model} {args.dtype}, {args.context}-token context, {torch.get_num_threads()} thread(s), "
           f"best of {args.rounds} x {args.repeats}, ms")
-    print("T      forward  linears (in forward)  linears (alone)  rest of forward")
+    print("T      forward  linears (in forward)  linears (alone)  rest of forward" + ("  eager (no hooks)  compiled" if compiled else ""))
     for t in sizes:
         f, li, la = (best[p, t] * 1e3 for p in ("forward", "linears_in_forward", "linears_alone"))
-        print(f"{t:<6} {f:8.1f}  {li:20.1f}  {la:15.1f}  {f - li:15.1f}")
+        extra = f"  {best['eager', t] * 1e3:16.1f}  {best['compiled', t] * 1e3:8.1f}" if compiled else ""
+        print(f"{t:<6} {f:8.1f}  {li:20.1f}  {la:15.1f}  {f - li:15.1f}{extra}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": args.model, "dtype": args.dtype, "context": args.context,
