@@ -78,3 +78,21 @@ def test_bench_counts_compiled_calls(compiled_decoder):
         assert ar["target_calls"] == ar["new_tokens"]  # the eager prefill plus one compiled call per further token
         assert 0 < runs[("ngrammys", p.id)]["target_calls"] <= runs[("ngrammys", p.id)]["new_tokens"]
     assert all(s["identical_rate"] == 1.0 for s in res["summary"].values())
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt2"])
+def test_compiled_other_architectures(arch):
+    """Sliding-window layers (gemma3) and learned positions (gpt2) compile too, lazily past warm_up's graphs."""
+    dec = SpecDecoder(tiny_model(arch), compile=True)
+    for prompt in (prompt_of(45, seed=45), REPETITIVE):  # 45 tokens: past gemma3's 8-token window
+        ref = hf_generate(dec.model, prompt, 30, GREEDY)
+        for method in ("ar", "ngrammys"):
+            assert dec.generate_ids([prompt], method, 30, GREEDY).tokens[0] == ref, (arch, method)
+
+
+def test_compiled_ragged_batch(compiled_decoder):
+    prompts = [REPETITIVE, prompt_of(3, seed=3), prompt_of(30, seed=30)]
+    for method in ("ar", "ngrammys"):
+        out = compiled_decoder.generate_ids(prompts, method, 25, GREEDY)
+        for p, toks in zip(prompts, out.tokens):
+            assert toks == hf_generate(compiled_decoder.model, p, 25, GREEDY), method
