@@ -96,3 +96,18 @@ def test_compiled_ragged_batch(compiled_decoder):
         out = compiled_decoder.generate_ids(prompts, method, 25, GREEDY)
         for p, toks in zip(prompts, out.tokens):
             assert toks == hf_generate(compiled_decoder.model, p, 25, GREEDY), method
+
+
+def test_compiled_draft_runner_sd():
+    """sd with both runners compiled (target and draft) stays lossless."""
+    from tests.test_greedy_lossless import perturbed
+
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6), compile=True)
+    assert dec.draft_runner.compiled
+    accepted = 0
+    for prompt in (prompt_of(45, seed=45), prompt_of(6, seed=6)):
+        out = dec.generate_ids([prompt], "sd", 40, GREEDY, draft_length=4)
+        assert out.tokens[0] == hf_generate(target, prompt, 40, GREEDY)
+        accepted += out.stats.accepted_tokens
+    assert accepted > 0
