@@ -153,18 +153,16 @@ class SkinnyLinear(nn.Linear):
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             if 0 < x.numel() <= self.max_rows * k and x.shape[-1] == k > 0:
                 shape = x.shape[:-1] + (self.out_features,)
-                if torch.compiler.is_compiling():
-                    # Traced by torch.compile (ModelRunner(compile=True)): no lazy lookup, no data_ptr check;
-                    # the runner refreshes the packed weights (refresh_packed) before compiled forwards.
-                    ops = torch.ops.specdec
-                    if self.prepack:
-                        return ops.packed_linear.default(x.reshape(-1, k), self._packed, self.out_features,
-                                                         self.bias).view(shape)
-                    return ops.skinny_linear.default(x.reshape(-1, k), self.weight, self.bias).view(shape)
+                # Traced by torch.compile (ModelRunner(compile=True)): the op is looked up directly (the cached
+                # lookup does not trace) and the packed weight is used as is (no data_ptr check; the runner
+                # refreshes it, refresh_packed, before compiled forwards).
+                traced = torch.compiler.is_compiling()
+                name = "packed_linear" if self.prepack else "skinny_linear"
+                op = getattr(torch.ops.specdec, name).default if traced else _op(name)
                 if self.prepack:
-                    return _op("packed_linear")(x.reshape(-1, k), self.packed_weight(), self.out_features,
-                                                self.bias).view(shape)
-                return _op()(x.reshape(-1, k), self.weight, self.bias).view(shape)
+                    packed = self._packed if traced else self.packed_weight()
+                    return op(x.reshape(-1, k), packed, self.out_features, self.bias).view(shape)
+                return op(x.reshape(-1, k), self.weight, self.bias).view(shape)
             if self.widen and x.dtype in (torch.bfloat16, torch.float16):
                 return widened_linear(x, self.weight, self.bias)
         return super().forward(x)
