@@ -260,9 +260,7 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Compile now (``compile=True``; otherwise nothing to do): one forward of each kind a single-row
         decode loop runs, a single token, a chain, a tree and a tree past 32 nodes (a wider packed mask), on a
-        throwaway context. Drops all state.
-        (Not in inference mode: the decode loops' inputs are ordinary tensors, and a compiled graph
-        is specialised on which kind it saw.)"""
+        throwaway context. Drops all state."""
         if self._compiled is None:
             return
         # Sizes that equal no other dynamic size: symbols with equal values when first traced are unified
