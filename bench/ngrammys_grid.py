@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdec.bench import parse_method
+from specdec.methods import parse_label
 
 
 def grid_labels(ks: list[int], ws: list[int], extra: str = "") -> list[str]:
@@ -25,9 +25,9 @@ def cells(result: dict) -> dict[tuple[int, int], dict]:
     """``(k, w) -> summary`` for every grid label of a bench result."""
     out = {}
     for label, s in result["summary"].items():
-        name, opts = parse_method(label)
+        name, opts = parse_label(label)
         if name == "ngrammys" and "k" in opts and "w" in opts:
-            out[(opts["k"], opts["w"])] = s
+            out[(int(opts["k"]), int(opts["w"]))] = s
     return out
 
 

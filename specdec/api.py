@@ -7,24 +7,15 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from specdec import methods
 from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate
-from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDrafter
-from specdec.drafters.feature_draft import FeatureDraftDrafter
-from specdec.drafters.ngrammys import NodeAcceptance
-from specdec.distill.eagle import is_feature_draft
-from specdec.hub import DEFAULT_MODEL, load_model
+from specdec.draft_models import is_feature_draft
+from specdec.hub import DEFAULT_MODEL, load_model, tables_cache_dir
 from specdec.model import ModelRunner
 from specdec.ngram_corpus import NGramCorpus, shipped_corpus, vocab_fingerprint
 from specdec.ngram_tables import NGramTables, load_tables
-from specdec.policies import AcceptanceModel, HeuristicLength, StaticLength, StepCost
+from specdec.policies import StepCost
 from specdec.verify import SamplingConfig
-
-METHODS = ("ar", "sd", "pld", "ngrammys")
-NEEDS_DRAFT = {"sd"}
-SCHEDULES = {"pld": ("cost", "static", "heuristic"), "sd": ("static", "heuristic"), "ngrammys": ("cost", "static")}
-NGRAMMYS_DEFAULTS = {"k": 10, "w": 6, "q": 1, "n_max": 6, "strategy": "mixed", "verify": "tree", "c": None,
-                     "support": 1}
-NGRAMMYS_CORPUS_SLOTS = 2  # ngrammys' default ``c`` where an n-gram corpus fits the model
 
 
 @dataclass
@@ -96,7 +87,7 @@ class SpecDecoder:
             runner.warm_up()
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None
-        self._pld_acceptance = AcceptanceModel()  # learned across calls: one model, one workload
+        self._acceptance: dict = {}  # acceptance tables learned across calls: one model, one workload
         self._ngram_tables: NGramTables | None = None
         if isinstance(corpus, Path) or (isinstance(corpus, str) and corpus != "auto"):
             corpus = NGramCorpus.load(corpus)
@@ -110,7 +101,6 @@ class SpecDecoder:
             if fp is not None and self.tokenizer is not None and fp != vocab_fingerprint(self.tokenizer):
                 raise ValueError("the n-gram corpus was built with another tokenizer's vocabulary")
         self._corpus = corpus  # "auto" is resolved on first use
-        self._node_acceptance: dict = {}  # ngrammys: per option set (k, w, q, n_max, ...), learned across calls
 
     def get_draft(self, name: str | None = None) -> tuple[PreTrainedModel, ModelRunner]:
         """The draft model and its runner: the default one, or the one loaded as ``name``."""
@@ -127,7 +117,7 @@ class SpecDecoder:
         """The target's unigram and bigram tables (computed once per model, then read from disk)."""
         if self._ngram_tables is None:
             vocab = self.model.get_output_embeddings().weight.shape[0]
-            self._ngram_tables = load_tables(self.model, k_max=min(32, vocab))
+            self._ngram_tables = load_tables(self.model, tables_cache_dir(), k_max=min(32, vocab))
         return self._ngram_tables
 
     def ngram_corpus(self) -> NGramCorpus | None:
@@ -141,6 +131,13 @@ class SpecDecoder:
         if self._step_cost is None:
             self._step_cost = StepCost.calibrate(self.runner)
         return self._step_cost
+
+    def acceptance(self, key: tuple, make):
+        """The acceptance table stored under ``key``, made by ``make()`` on first use: methods learn
+        acceptance across calls (one decoder, one workload), one table per method and option set."""
+        if key not in self._acceptance:
+            self._acceptance[key] = make()
+        return self._acceptance[key]
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of ``prompt``, through the chat template when ``chat`` and the tokenizer has one."""
@@ -156,66 +153,22 @@ class SpecDecoder:
 
     def generate_ids(self, prompts: list[list[int]], method: str = "pld", max_new_tokens: int = 128,
                      sampling: SamplingConfig = SamplingConfig(), **options) -> DecodeResult:
-        """Generate from token-id prompts (a ragged batch). ``options`` are method options:
-        pld: ``num_tokens`` (10), ``n_min`` (1), ``n_max`` (4), ``schedule``: ``cost`` (default: each draft
-        cut to the length with the most expected tokens per second, from the measured step cost and the
-        acceptance learned per matched n-gram size), ``static`` or transformers' ``heuristic``;
-        sd: ``draft_length`` (5), ``schedule`` ``static`` (default) or ``heuristic``, ``draft`` (a loaded
-        draft's name; default: the first);
-        ngrammys: ``k`` drafts of ``w`` tokens, context query length ``q``, longest-suffix matches up to
-        ``n_max`` tokens ranked first (``n_max <= q``: off), ``strategy`` (``mixed``,
-        ``context``, ``bigram``) and ``verify`` (``tree``, ``batch``, ``chain``), defaults in
-        ``NGRAMMYS_DEFAULTS``; ``schedule`` ``cost`` (default: each row's tree is pruned to the nodes
-        worth their measured verification cost, by acceptance learned per source, rank and depth, and with
-        ``support=1`` (default) per how many drafts share the node) or
-        ``static`` (all k x w drafts, as in the paper); ``c``: slots for drafts from the n-gram corpus, after
-        the longest-suffix matches, looked up with suffixes of up to ``n_max`` tokens (default ``min(2, k)`` where the
-        decoder has a corpus and the strategy is not ``bigram``, else 0)."""
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
-        if method in NEEDS_DRAFT and self.draft_runner is None:
+        """Generate from token-id prompts ``[[int]]`` (a ragged batch) with a registered method
+        (:mod:`specdec.methods`; ``specdec generate --help`` lists each method's options and defaults).
+
+        ``options``: the method's options by name, as values or strings (``draft_length=2`` or
+        ``draft_length="2"``); unknown names and bad values raise ``ValueError``."""
+        spec = methods.get(method)
+        opts = spec.parse(options)
+        if spec.needs_draft and self.draft_runner is None:
             raise ValueError(f"method {method!r} needs a draft model (--draft)")
         vocab = self.model.get_output_embeddings().weight.shape[0]
         for p in prompts:
             if any(not 0 <= t < vocab for t in p):
                 raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if method == "ar":
-            if options:
-                raise ValueError(f"method 'ar' takes no options, got {sorted(options)}")
+        if spec.build is None:
             return autoregressive_generate(self.runner, prompts, max_new_tokens, sampling, self.eos)
-        options = dict(options)
-        schedule = options.pop("schedule", "cost" if method in ("pld", "ngrammys") else "static")
-        if schedule not in SCHEDULES[method]:
-            raise ValueError(f"schedule for {method!r} must be one of {SCHEDULES[method]}, got {schedule!r}")
-        if method == "pld":
-            adaptive = {"cost": self.step_cost(), "acceptance": self._pld_acceptance} if schedule == "cost" else {}
-            drafter = PromptLookupDrafter(**options, **adaptive)
-            k = drafter.num_tokens
-        elif method == "ngrammys":
-            unknown = set(options) - set(NGRAMMYS_DEFAULTS)
-            if unknown:
-                raise ValueError(f"unknown options for 'ngrammys': {sorted(unknown)}")
-            opts = {**NGRAMMYS_DEFAULTS, **options}
-            if opts["c"] is None:  # a few corpus slots where the decoder has a corpus
-                with_corpus = self.ngram_corpus() is not None and opts["strategy"] != "bigram"
-                opts["c"] = min(NGRAMMYS_CORPUS_SLOTS, opts["k"]) if with_corpus else 0
-            tables = self.ngram_tables() if opts["strategy"] != "context" else None
-            adaptive = {}
-            if schedule == "cost":
-                key = tuple(sorted(opts.items()))
-                self._node_acceptance.setdefault(key, NodeAcceptance(opts["k"], opts["w"], opts["q"], opts["n_max"],
-                                                                     corpus=opts["c"] > 0))
-                adaptive = {"cost": self.step_cost(), "acceptance": self._node_acceptance[key]}
-            drafter = NGrammysDrafter(tables, **opts, **adaptive, corpus=self.ngram_corpus() if opts["c"] else None)
-            k = drafter.w
-        else:
-            k = options.pop("draft_length", 5)
-            draft, draft_runner = self.get_draft(options.pop("draft", None))
-            if options:
-                raise ValueError(f"unknown options for 'sd': {sorted(options)}")
-            cls = FeatureDraftDrafter if is_feature_draft(draft) else DraftModelDrafter
-            drafter = cls(draft_runner, sampling)
-        policy = HeuristicLength(k, max_k=k if method == "pld" else 64) if schedule == "heuristic" else StaticLength(k)
+        drafter, policy = spec.build(self, opts, sampling)
         return speculative_generate(self.runner, drafter, prompts, max_new_tokens, sampling, self.eos, policy)
 
     def generate(self, prompt: str, method: str = "pld", max_new_tokens: int = 128, chat: bool = True,

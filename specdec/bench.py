@@ -7,50 +7,23 @@ calls are counted with forward hooks, the same way for every method.
 """
 from __future__ import annotations
 
-import json
 import platform
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import transformers
 from tqdm import tqdm
 
-from specdec.api import METHODS, NEEDS_DRAFT, SpecDecoder, hf_generate
-from specdec.distill.eagle import is_feature_draft
+from specdec import methods
+from specdec.api import SpecDecoder, hf_generate
+from specdec.draft_models import is_feature_draft
+from specdec.methods import parse_label
+from specdec.prompts import Prompt, read_prompts
 from specdec.verify import SamplingConfig
 
-HF_METHODS = ("hf", "hf-pld", "hf-assisted")
-ALL_METHODS = HF_METHODS + METHODS
+HF_METHODS = ("hf", "hf-pld", "hf-assisted")  # transformers' baselines; every other label names a registered method
 
-
-@dataclass
-class Prompt:
-    id: str
-    category: str
-    ids: list[int]
-
-
-def read_prompts(path: str | Path, decoder: SpecDecoder, limit: int | None = None,
-                 per_category: int | None = None) -> list[Prompt]:
-    """Prompts from JSON lines with ``id``, ``category``, ``chat`` and ``prompt``.
-
-    ``per_category`` keeps the first K prompts of each category, taken round-robin across
-    categories so that ``limit`` then cuts a balanced set.
-    """
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if per_category:
-        by_cat: dict[str, list[dict]] = {}
-        for row in rows:
-            by_cat.setdefault(row.get("category", "none"), []).append(row)
-        rows = [cat[i] for i in range(per_category) for cat in by_cat.values() if i < len(cat)]
-    rows = rows[:limit] if limit else rows
-    if not rows:
-        raise ValueError(f"no prompts in {path}")
-    return [Prompt(str(row.get("id", i)), row.get("category", "none"), decoder.encode(row["prompt"], bool(row.get("chat", True))))
-            for i, row in enumerate(rows)]
+__all__ = ["run_bench", "summarize", "bench_config", "format_table", "parse_label", "Prompt", "read_prompts"]
 
 
 class _CallCounter:
@@ -75,20 +48,8 @@ class _CallCounter:
         return n
 
 
-def parse_method(label: str) -> tuple[str, dict]:
-    """``"ngrammys:k=5:strategy=context"`` -> ``("ngrammys", {"k": 5, "strategy": "context"})``."""
-    name, *pairs = label.split(":")
-    opts = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"bad method option {pair!r} in {label!r}: use name=value")
-        opts[key] = int(value) if value.lstrip("-").isdigit() else value
-    return name, opts
-
-
 def _run_one(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
-    method, own = parse_method(label)
+    method, own = parse_label(label)
     if method == "hf":
         return hf_generate(dec.model, prompt, max_new, sampling), None
     if method == "hf-pld":
@@ -99,37 +60,46 @@ def _run_one(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, samp
     return res.tokens[0], res.stats
 
 
-def run_bench(dec: SpecDecoder, methods: list[str], prompts: list[Prompt], max_new_tokens: int,
+def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), options: dict | None = None,
               config: dict | None = None, progress: bool = True) -> dict:
-    """Run ``methods`` (plus ``hf``) over ``prompts``; return the bench JSON (config, runs, summary)."""
+    """Run the methods ``labels`` (``name`` or ``name:key=value:...``; plus ``hf``) over ``prompts``; return
+    the bench JSON (config, runs, and the summary keyed by each label as written). ``options``: per
+    method name, options that apply to all its labels (the CLI's flags); a label's own options win."""
     options = options or {}
-    for label in methods:
-        m, own = parse_method(label)
-        if m not in ALL_METHODS:
-            raise ValueError(f"unknown method {m!r}: choose from {', '.join(ALL_METHODS)}")
-        if own and m in HF_METHODS and not (m == "hf-assisted" and set(own) == {"draft"}):
-            raise ValueError(f"{m!r} takes no options" + (" but draft=NAME" if m == "hf-assisted" else ""))
-        if (m in NEEDS_DRAFT or m == "hf-assisted") and dec.draft is None:
+    for label in labels:  # every label is checked before anything runs
+        m, own = parse_label(label)
+        if m in HF_METHODS:
+            if own and not (m == "hf-assisted" and set(own) == {"draft"}):
+                raise ValueError(f"{m!r} takes no options" + (" but draft=NAME" if m == "hf-assisted" else ""))
+            needs_draft = m == "hf-assisted"
+        else:
+            try:
+                spec = methods.get(m)
+            except ValueError:
+                raise ValueError(f"unknown method {m!r}: choose from {', '.join(HF_METHODS + methods.names())}") from None
+            spec.parse({**options.get(m, {}), **own})
+            needs_draft = spec.needs_draft
+        if needs_draft and dec.draft is None:
             raise ValueError(f"method {m!r} needs --draft")
         if "draft" in own:
             dec.get_draft(str(own["draft"]))  # an unknown name fails here, before anything runs
         if m == "hf-assisted" and is_feature_draft(dec.get_draft(own.get("draft"))[0]):
             raise ValueError("hf-assisted cannot drive a feature-conditioned (EAGLE) draft: transformers' assisted "
                              "generation does not hand it the target's hidden states; use sd")
-    methods = ["hf"] + [m for m in methods if m != "hf"]
+    labels = ["hf"] + [m for m in labels if m != "hf"]
     target_calls = _CallCounter(dec.model, runners=[dec.runner])
     draft_calls = _CallCounter(*[m for m, _ in dec.drafts.values()], runners=[r for _, r in dec.drafts.values()])
 
     # Warm up every method once (first calls pay for lazy initialisation and allocator growth).
-    for m in methods:
+    for m in labels:
         _run_one(dec, m, prompts[0].ids, min(8, max_new_tokens), sampling, options)
     target_calls.take(), draft_calls.take()
 
     runs, reference = [], {}
-    bar = tqdm(total=len(prompts) * len(methods), desc="bench", disable=not progress)
+    bar = tqdm(total=len(prompts) * len(labels), desc="bench", disable=not progress)
     for i, p in enumerate(prompts):
-        order = methods[i % len(methods):] + methods[: i % len(methods)]
+        order = labels[i % len(labels):] + labels[: i % len(labels)]
         # hf runs first on its prompt only if it rotates there; identity is checked after the loop.
         for m in order:
             t0 = time.perf_counter()

@@ -28,32 +28,44 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--num-tokens", type=int, default=None, help="pld: draft length (default 10)")
-    p.add_argument("--draft-length", type=int, default=None, help="sd: draft length (default 5)")
-    p.add_argument("--schedule", choices=["cost", "static", "heuristic"], default=None,
-                   help="draft-length schedule: pld cost (default), static, heuristic; sd static (default), heuristic; "
-                   "ngrammys cost (default: prune the draft tree to what pays for its cost) or static")
-    p.add_argument("--k", type=int, default=None, help="ngrammys: drafts per step")
-    p.add_argument("--w", type=int, default=None, help="ngrammys: tokens per draft")
-    p.add_argument("--q", type=int, default=None, help="ngrammys: context query length")
-    p.add_argument("--n-max", type=int, default=None,
-                   help="ngrammys: longest suffix matched first (default 6; <= q turns that tier off)")
-    p.add_argument("--strategy", choices=["mixed", "context", "bigram"], default=None, help="ngrammys draft sources")
-    p.add_argument("--corpus-slots", type=int, default=None,
-                   help="ngrammys: drafts from the n-gram corpus per step (default 2 with a corpus, else 0)")
     p.add_argument("--corpus", default="auto",
                    help="ngrammys' n-gram corpus: auto (the shipped one for the model's vocabulary), none, or a file "
                         "written by specdec ngram-corpus")
-    p.add_argument("--verify", choices=["tree", "batch", "chain"], default=None,
-                   help="ngrammys verification: trie (default), k branches (the paper's batch rows), best draft only")
+    _method_flags(p)
+
+
+def _method_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per method option in the registry (an option several methods share gets one flag)."""
+    from specdec import methods
+
+    flags: dict[str, dict] = {}
+    for spec in methods.REGISTRY.values():
+        for f in spec.fields():
+            if not f.metadata.get("cli", True):
+                continue
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            entry = flags.setdefault(flag, {"dest": f"opt_{f.name}", "help": [], "choices": set()})
+            default = "auto" if f.default is None else f.default
+            entry["help"].append(f"{spec.name}: {f.metadata['help']} (default {default})")
+            entry["choices"] |= set(f.metadata.get("choices") or ())
+    for flag, entry in flags.items():
+        choices = sorted(entry["choices"], key=str) or None
+        p.add_argument(flag, dest=entry["dest"], default=None, metavar=None if choices else "V",
+                       choices=[str(c) for c in choices] if choices else None, help="; ".join(entry["help"]))
 
 
 def _method_options(args, method: str) -> dict:
-    names = {"pld": {"num_tokens": args.num_tokens, "schedule": args.schedule},
-             "sd": {"draft_length": args.draft_length, "schedule": args.schedule},
-             "ngrammys": {"k": args.k, "w": args.w, "q": args.q, "n_max": args.n_max, "strategy": args.strategy, "verify": args.verify, "c": args.corpus_slots,
-                          "schedule": args.schedule}}
-    return {k: v for k, v in names.get(method, {}).items() if v is not None}
+    """The options of ``method`` given as flags (values as typed; the registry converts and checks them)."""
+    from specdec import methods
+
+    if method not in methods.REGISTRY:
+        return {}
+    out = {}
+    for f in methods.get(method).fields():
+        value = getattr(args, f"opt_{f.name}", None)
+        if value is not None:
+            out[f.name] = value
+    return out
 
 
 def _sampling(args):
@@ -87,13 +99,15 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from specdec.bench import bench_config, format_table, read_prompts, run_bench
+    from specdec.bench import bench_config, format_table, run_bench
+    from specdec.methods import parse_label
+    from specdec.prompts import read_prompts
 
     dec = _decoder(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     prompts = read_prompts(args.prompts, dec, args.limit, args.per_category)
     s = _sampling(args)
-    options = {m: _method_options(args, m) for m in methods}
+    options = {name: _method_options(args, name) for name in {parse_label(m)[0] for m in methods}}
     result = run_bench(dec, methods, prompts, args.max_new_tokens, s, options,
                        bench_config(args.model, args.draft, args.dtype, args.max_new_tokens, s, args.linear,
                                     args.compile))
@@ -152,8 +166,8 @@ def cmd_distill(args) -> int:
 
 def cmd_ngram_corpus(args) -> int:
     from specdec.api import SpecDecoder
-    from specdec.bench import read_prompts
     from specdec.ngram_corpus import generate_corpus
+    from specdec.prompts import read_prompts
     from specdec.ngram_tables import weights_key
 
     dec = SpecDecoder(args.model, dtype=args.dtype, linear=args.linear, corpus=None)
@@ -172,13 +186,20 @@ def cmd_ngram_corpus(args) -> int:
     return 0
 
 
+def _registry() -> dict:
+    from specdec import methods
+
+    return methods.REGISTRY
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion")
     _common(g)
-    g.add_argument("--method", default="pld", help="ar, sd, pld or ngrammys")
+    g.add_argument("--method", default="pld", help="one of: " + "; ".join(
+        f"{m.name} ({m.summary})" for m in _registry().values()))
     g.add_argument("--prompt", required=True)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print text, tokens and stats as JSON")
@@ -186,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmark methods against transformers side by side")
     _common(b)
-    b.add_argument("--methods", default="hf,hf-pld,ar,pld", help="comma list of hf, hf-pld, hf-assisted, ar, sd, pld, ngrammys; a method may carry "
-                   "its own options after colons, e.g. ngrammys:strategy=context:verify=batch")
+    b.add_argument("--methods", default="hf,hf-pld,ar,pld",
+                   help="comma list of hf, hf-pld, hf-assisted, " + ", ".join(_registry()) + "; a method may carry its "
+                   "own options after colons (the option names below with underscores), e.g. sd:draft_length=2, "
+                   "ngrammys:strategy=context:verify=batch; the JSON summary is keyed by each label as written")
     b.add_argument("--prompts", required=True, help="JSON lines with id, category, chat, prompt")
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--per-category", type=int, default=None, help="first K prompts of each category, interleaved")

@@ -13,7 +13,7 @@ import torch
 
 from specdec.drafters.base import DecodeState, Drafter
 from specdec.model import ModelRunner
-from specdec.policies import StaticLength
+from specdec.policies import StaticLength, prune
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig, Verifier
 
@@ -83,8 +83,10 @@ class _Outputs:
                 self.done[row] = True
                 return
 
-    def remaining(self) -> int:
-        return min(self.max_new - len(t) for t, d in zip(self.tokens, self.done) if not d)
+    def left(self) -> list[int]:
+        """``[B]`` draft tokens each row may still use: what it may emit less the one token every step
+        adds (0 for finished rows)."""
+        return [0 if d else self.max_new - len(t) - 1 for t, d in zip(self.tokens, self.done)]
 
 
 @torch.inference_mode()
@@ -97,7 +99,10 @@ def speculative_generate(
     eos_token_ids: set[int] | None = None,
     policy=None,
 ) -> DecodeResult:
-    """Speculative decoding of ``prompts`` (token id lists, ragged) with ``drafter`` and ``policy``.
+    """Speculative decoding of ``prompts`` (token id lists, ragged) with ``drafter`` and ``policy``
+    (a length policy of :mod:`specdec.policies`: each step's per-row budget, and the measured step cost
+    that every target forward is timed into). A tree that carries per-node acceptance estimates is cut to
+    what pays for its cost (:func:`specdec.policies.prune`) before the target sees it.
 
     Returns the new tokens of each row (stopping after an EOS or at ``max_new_tokens``) and stats.
     """
@@ -127,14 +132,18 @@ def speculative_generate(
 
     td = time.perf_counter()
     drafter.begin(state)
+    policy.begin(b)
     if need_hidden:
         drafter.add_hidden(prompt_hidden, prompt_lens)
     stats.draft_s += time.perf_counter() - td
     target_len = [n - 1 for n in state.seq_lens_host]
     while not all(out.done):
         td = time.perf_counter()
-        k = min(policy.length(), out.remaining() - 1)
-        tree = drafter.propose(state, k).build_mask()
+        budget = policy.budget(out.left())
+        tree = drafter.propose(state, budget)
+        if tree.accept is not None and budget.cost is not None:
+            tree = prune(tree, budget.cost)
+        tree.build_mask()
         stats.draft_s += time.perf_counter() - td
 
         ts = time.perf_counter()
@@ -142,7 +151,7 @@ def speculative_generate(
         forward_s = time.perf_counter() - ts
         stats.target_s += forward_s
         stats.target_calls += 1
-        drafter.observe_step(tree.size, forward_s)
+        policy.observe_step(tree.size, forward_s)
 
         path, path_len, nxt = verifier.verify(tree, logits)
         active = torch.tensor([not d for d in out.done], device=target.device)
@@ -165,15 +174,14 @@ def speculative_generate(
         state.seq_lens_host = [s + n for s, n in zip(state.seq_lens_host, lens)]
 
         stats.steps += 1
-        for r, h in enumerate(host):
-            if out.done[r]:
-                continue
-            n, drafted = h[0], h[1]
+        rows_active = [r for r in range(b) if not out.done[r]]
+        policy.update([host[r][1] for r in rows_active], [host[r][0] - 1 for r in rows_active], rows_active)
+        for r in rows_active:
+            n, drafted = host[r][0], host[r][1]
             stats.drafted_tokens += drafted
             stats.accepted_tokens += n - 1
             stats.accept_lengths.append(n - 1)
-            policy.update(drafted, n - 1)
-            out.add(r, h[2: 2 + n])
+            out.add(r, host[r][2: 2 + n])
         td = time.perf_counter()
         if need_hidden:
             drafter.add_hidden(hidden.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])), path_len)

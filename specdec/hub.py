@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-import specdec.distill.eagle  # noqa: F401  (registers the distilled draft classes with transformers' Auto classes)
+from specdec.draft_models import register_draft_models
 from specdec.linear import apply_linear_kernel
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -39,6 +39,12 @@ DRAFTS = {name: Path(__file__).parent / "data" / "drafts" / name for name in ("s
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def tables_cache_dir() -> Path:
+    """Where model-derived n-gram tables are cached: ``$SPECDEC_TABLES_CACHE`` if set, else
+    ``$SPECDEC_CACHE/ngram_tables``."""
+    return Path(os.environ.get("SPECDEC_TABLES_CACHE", cache_dir() / "ngram_tables"))
 
 
 def _gguf_path(name: str) -> Path:
@@ -111,6 +117,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str
             raise ValueError(f"unknown dtype {dtype!r}: use one of fp32, bf16, fp16")
         dtype = DTYPES[dtype]
     path = resolve(name_or_path)
+    register_draft_models()  # a shipped or distilled draft folder names specdec's own model classes
     tok = AutoTokenizer.from_pretrained(tokenizer_path(path))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,14 +117,9 @@ def compute_tables(model: PreTrainedModel, k_max: int = 32, progress: bool = Fal
     return NGramTables(bigram_topk(model, k_max, progress=progress), uni)
 
 
-def load_tables(model: PreTrainedModel, k_max: int = 32, cache: Path | None = None,
-                progress: bool = True) -> NGramTables:
-    """Tables for ``model``, from ``cache`` or computed and saved there. The default cache is
-    ``$SPECDEC_TABLES_CACHE`` if set, else ``$SPECDEC_CACHE/ngram_tables``."""
-    if cache is None:
-        from specdec.hub import cache_dir
-
-        cache = Path(os.environ.get("SPECDEC_TABLES_CACHE", cache_dir() / "ngram_tables"))
+def load_tables(model: PreTrainedModel, cache: Path | str, k_max: int = 32, progress: bool = True) -> NGramTables:
+    """Tables for ``model``, from the folder ``cache`` or computed and saved there (the decoder passes
+    :func:`specdec.hub.tables_cache_dir`)."""
     path = Path(cache) / f"v{TABLE_VERSION}-k{k_max}-{weights_key(model)}.pt"
     if path.exists():
         data = torch.load(path, weights_only=True)

@@ -22,7 +22,9 @@ class DraftTree:
     tokens: ``[B,T] int64``; parents: ``[B,T] int64`` (-1 at the root); valid: ``[B,T] bool``;
     depth: ``[B,T] int64``; is_chain: every row is a chain (attention is causal, no mask);
     draft_probs: ``[B,T,V]`` float proposal distributions (None for deterministic drafts; the root's
-    row is unused). :attr:`mask` is derived on first use.
+    row is unused). :attr:`mask` is derived on first use. accept: ``[B,T]`` float, the drafter's estimate
+    that each node is accepted (reached) given the root, or None; a planner prunes by it
+    (:func:`specdec.policies.prune`), whatever source each node came from.
     """
 
     tokens: torch.Tensor
@@ -32,6 +34,7 @@ class DraftTree:
     is_chain: bool
     draft_probs: torch.Tensor | None = None
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    accept: torch.Tensor | None = None
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -159,7 +162,10 @@ class DraftTree:
         probs = None
         if self.draft_probs is not None:
             probs = self.draft_probs.gather(1, old[:, :, None].expand(-1, -1, self.draft_probs.shape[-1]))
-        return DraftTree.from_parents(tokens, parents, valid, probs, check=False), old
+        tree = DraftTree.from_parents(tokens, parents, valid, probs, check=False)
+        if self.accept is not None:
+            tree.accept = self.accept.gather(1, old)
+        return tree, old
 
     def positions(self, cache_lens: torch.Tensor) -> torch.Tensor:
         """Absolute positions ``[B,T]`` of the nodes, given committed lengths ``[B]``."""

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 import specdec
 from specdec.api import SpecDecoder, hf_generate
 from specdec.cli import main as cli_main
-from specdec.distill.model import SpecdecDraftForCausalLM, draft_from_target
+from specdec.draft_models.reduced import SpecdecDraftForCausalLM, draft_from_target
 from specdec.distill.vocab import count_tokens, coverage, select_vocab
 from specdec.hub import load_model, resolve
 from specdec.verify import SamplingConfig

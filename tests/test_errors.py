@@ -48,8 +48,16 @@ def test_unknown_method_and_options(dec):
         dec.generate_ids([[5, 6]], "medusa", 4)
     with pytest.raises(ValueError, match="unknown options"):
         dec.generate_ids([[5, 6]], "sd", 4, draft_len=3)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="unknown options for 'pld'"):
         dec.generate_ids([[5, 6]], "pld", 4, width=3)
+    with pytest.raises(ValueError, match="takes: none"):
+        dec.generate_ids([[5, 6]], "ar", 4, k=3)
+    with pytest.raises(ValueError, match="must be one of"):
+        dec.generate_ids([[5, 6]], "ngrammys", 4, strategy="magic")
+    with pytest.raises(ValueError, match="must be int"):
+        dec.generate_ids([[5, 6]], "pld", 4, num_tokens="many")
+    with pytest.raises(ValueError, match="must be >= 1"):
+        dec.generate_ids([[5, 6]], "pld", 4, num_tokens=0)
 
 
 def test_sd_needs_a_draft():

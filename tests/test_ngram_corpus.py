@@ -13,9 +13,9 @@ import torch
 
 from specdec.api import SpecDecoder, hf_generate
 from specdec.drafters.base import DecodeState
-from specdec.drafters.ngrammys import NGrammysDrafter, NodeAcceptance
+from specdec.drafters.ngrammys import NGrammysDrafter
 from specdec.ngram_corpus import NGramCorpus, generate_corpus, max_exact_n, pack_keys, shipped_corpus, vocab_fingerprint
-from specdec.policies import StepCost
+from specdec.policies import Budget, NodeAcceptance, StepCost
 from specdec.verify import SamplingConfig
 from tests.conftest import tiny_model
 from tests.test_greedy_lossless import prompt_of
@@ -146,8 +146,9 @@ def test_drafter_slot_order_by_hand():
     assert source[0, :3].tolist() == [4, n_src + 2 - 1, 1] and rank[0, :3].tolist() == [0, 0, 0]
     # a free verification keeps every node; each node's cell has its slot's source
     cost = StepCost({1: 1.0, 16: 1.0}, explore_every=0)
-    drafter = NGrammysDrafter(None, k=4, w=3, strategy="context", corpus=corpus, c=1, cost=cost)
-    tree = drafter.propose(state, 3)
+    drafter = NGrammysDrafter(None, k=4, w=3, strategy="context", corpus=corpus, c=1,
+                              acceptance=NodeAcceptance(4, 3, corpus=True))
+    tree = drafter.propose(state, Budget.static(1, 3, cost))
     assert tree.size == 1 + 3 + 3 + 2  # 7 shared by both context drafts
     sources = sorted(set((drafter._slot // (4 * 3 * NodeAcceptance.SUPPORT)).tolist()[0][1:]))
     assert sources == [1, 4, n_src + 1]
@@ -156,7 +157,7 @@ def test_drafter_slot_order_by_hand():
     with pytest.raises(ValueError, match="c must"):
         NGrammysDrafter(None, k=4, w=3, strategy="context", corpus=corpus, c=5)
     with pytest.raises(ValueError, match="acceptance table"):
-        NGrammysDrafter(None, k=4, w=3, strategy="context", corpus=corpus, c=1, cost=cost, acceptance=NodeAcceptance(4, 3))
+        NGrammysDrafter(None, k=4, w=3, strategy="context", corpus=corpus, c=1, acceptance=NodeAcceptance(4, 3))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

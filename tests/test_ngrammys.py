@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdec import ngram_tables
 from specdec.api import SpecDecoder, hf_generate
 from specdec.ngram_tables import bigram_topk, extend_bigram, load_tables, unigram_ranking, weights_key
-from specdec.policies import StepCost
+from specdec.policies import Budget, NodeAcceptance, StepCost
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig
 from tests.conftest import tiny_model
@@ -51,7 +51,7 @@ def test_ngrammys_ragged_batch():
 
 def test_context_drafts_put_the_longest_match_first_by_hand():
     from specdec.drafters.base import DecodeState
-    from specdec.drafters.ngrammys import NGrammysDrafter, NodeAcceptance
+    from specdec.drafters.ngrammys import NGrammysDrafter
 
     seq = torch.tensor([REPETITIVE])
     state = DecodeState(seq, torch.tensor([len(REPETITIVE)]), [len(REPETITIVE)])
@@ -60,22 +60,23 @@ def test_context_drafts_put_the_longest_match_first_by_hand():
     assert drafts[0].tolist() == [[7, 9, 5], [7, 8, 5], [-1] * 3, [-1] * 3]  # the repeat of 7 9 5 is dropped
     assert match_n.tolist() == [4]
     assert n.tolist() == [2] and n_long.tolist() == [1]
-    drafter = NGrammysDrafter(None, k=4, w=3, strategy="context", cost=StepCost({1: 1.0, 16: 1.0}))
-    drafter.propose(state, 3)  # nearly free verification: every node is kept
+    drafter = NGrammysDrafter(None, k=4, w=3, strategy="context", acceptance=NodeAcceptance(4, 3))
+    drafter.propose(state, Budget.static(1, 3, StepCost({1: 1.0, 16: 1.0})))  # nearly free verification: every node is kept
     cell = drafter._slot[0]
     source, support = (cell // (4 * 3 * NodeAcceptance.SUPPORT)).tolist(), (cell % NodeAcceptance.SUPPORT).tolist()
     # root, 7 9 5 (a 4-token suffix match: source 2 + 4 - 1 - 1), 7 8 5 (a q-match, source 1; 7 is shared)
     assert source[1:] == [4, 4, 4, 1, 1] and support[1:] == [1, 0, 0, 0, 0]
     short = [3, 4, 9, 3, 4]  # the longest earlier match is the 2 tokens 3 4 (source 2), the q-match 4 gives 9
     st = DecodeState(torch.tensor([short]), torch.tensor([5]), [5])
-    drafter = NGrammysDrafter(None, k=2, w=2, strategy="context", cost=StepCost({1: 1.0, 16: 1.0}))
-    tree = drafter.propose(st, 2)
+    drafter = NGrammysDrafter(None, k=2, w=2, strategy="context", acceptance=NodeAcceptance(2, 2))
+    tree = drafter.propose(st, Budget.static(1, 2, StepCost({1: 1.0, 16: 1.0})))
     assert tree.tokens[0, 1:].tolist() == [9, 3]
     assert (drafter._slot // (2 * 2 * NodeAcceptance.SUPPORT)).tolist()[0][1:] == [2, 2]
     # Verification cost that doubles per node keeps only the root, but an exploring plan keeps one node more.
     steep = {1: 1.0, 2: 2.0, 3: 4.0, 4: 8.0, 5: 16.0, 6: 32.0}
     for every, size in ((0, 1), (1, 2)):
-        tree = NGrammysDrafter(None, k=4, w=3, strategy="context", cost=StepCost(steep, explore_every=every)).propose(state, 3)
+        drafter = NGrammysDrafter(None, k=4, w=3, strategy="context", acceptance=NodeAcceptance(4, 3))
+        tree = drafter.propose(state, Budget.static(1, 3, StepCost(steep, explore_every=every)))
         assert tree.size == size and tree.tokens[0, 1:].tolist() == [7][: size - 1]
     drafts, n, n_long, match_n = NGrammysDrafter(None, k=4, w=3, n_max=1, strategy="context").context_drafts(state, 3)
     assert drafts[0].tolist() == [[7, 8, 5], [7, 9, 5], [-1] * 3, [-1] * 3]  # q-matches alone, by count
@@ -94,10 +95,10 @@ def test_support_level_by_hand():
 
 
 def test_ngrammys_options_are_checked():
-    from specdec.drafters.ngrammys import NGrammysDrafter, NodeAcceptance
+    from specdec.drafters.ngrammys import NGrammysDrafter
 
     with pytest.raises(ValueError, match="acceptance table"):  # a table learned for other options
-        NGrammysDrafter(None, k=4, w=3, n_max=6, strategy="context", cost=StepCost({1: 1.0}), acceptance=NodeAcceptance(4, 3))
+        NGrammysDrafter(None, k=4, w=3, n_max=6, strategy="context", acceptance=NodeAcceptance(4, 3))
     dec = SpecDecoder(tiny_model("llama"))
     for bad in ({"k": 0}, {"strategy": "unigram"}, {"verify": "dense"}, {"kk": 3}, {"k": 64}):
         with pytest.raises(ValueError):

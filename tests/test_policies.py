@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.policies import AcceptanceModel, HeuristicLength, StaticLength, StepCost, best_length
+from specdec.policies import AcceptanceModel, Budget, HeuristicLength, StaticLength, StepCost, best_length, prune
 
 
 def test_step_cost_interpolates_and_learns():
@@ -62,14 +62,15 @@ def test_best_length_follows_cost_shape():
 
 def test_heuristic_schedule_matches_transformers():
     pol = HeuristicLength(5, max_k=8)
-    pol.update(5, 5)
+    pol.begin(1)
+    pol.update([5], [5])
     assert pol.length() == 7
-    pol.update(7, 7)
+    pol.update([7], [7])
     assert pol.length() == 8
-    pol.update(8, 2)
+    pol.update([8], [2])
     assert pol.length() == 7
     for _ in range(10):
-        pol.update(1, 0)
+        pol.update([1], [0])
     assert pol.length() == 1
     with pytest.raises(ValueError):
         StaticLength(0)
@@ -86,7 +87,8 @@ def test_prompt_lookup_explores_one_token_more():
     steep = {1: 1.0, 2: 10.0, 3: 100.0, 4: 1000.0}
     lengths = {}
     for every in (0, 1):
-        drafter = PromptLookupDrafter(3, cost=StepCost(steep, explore_every=every), acceptance=AcceptanceModel())
-        lengths[every] = drafter.propose(state, 3).num_drafted.tolist()
+        drafter = PromptLookupDrafter(3, acceptance=AcceptanceModel())
+        cost = StepCost(steep, explore_every=every)
+        lengths[every] = prune(drafter.propose(state, Budget.static(2, 3, cost)), cost).num_drafted.tolist()
     assert lengths[0] == [0, 0]  # verification too dear: nothing drafted
     assert lengths[1] == [1, 0]  # exploring drafts one token where a match exists

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specdec.distill.eagle import SpecdecEagleForCausalLM
+from specdec.draft_models.eagle import SpecdecEagleForCausalLM
 
 
 @dataclass

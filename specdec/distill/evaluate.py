@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from specdec.distill.eagle import is_feature_draft
+from specdec.draft_models.eagle import is_feature_draft
 from specdec.tree import DraftTree
 
 
@@ -88,7 +88,7 @@ def acceptance(dec, prompts, max_new_tokens: int, draft_length: int) -> dict:
 
 def main(argv=None) -> int:
     from specdec.api import SpecDecoder
-    from specdec.bench import read_prompts
+    from specdec.prompts import read_prompts
 
     ap = argparse.ArgumentParser(prog="python -m specdec.distill.evaluate")
     ap.add_argument("--model", default="smollm2")

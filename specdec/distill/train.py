@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.distill.data import generate_data, load_records
-from specdec.distill.model import SpecdecDraftForCausalLM, draft_from_target
+from specdec.draft_models.reduced import SpecdecDraftForCausalLM, draft_from_target
 from specdec.distill.vocab import count_tokens, coverage, select_vocab
 
 
@@ -192,7 +192,7 @@ def train(draft: SpecdecDraftForCausalLM, examples: list[Example], held_out: lis
 def _eagle_setup(args, target32, layers, vocab, shards, held: set, work: Path):
     """The feature-conditioned draft, its examples (the target's hidden states over every record,
     computed once into the work folder), and its loss and evaluation."""
-    from specdec.distill.eagle import eagle_from_target
+    from specdec.draft_models.eagle import eagle_from_target
     from specdec.distill.eagle_train import eagle_evaluate, eagle_loss, feature_shards, load_examples
 
     target32.to(args.device)
@@ -218,7 +218,7 @@ def _eagle_setup(args, target32, layers, vocab, shards, held: set, work: Path):
 def run_distill(args) -> dict:
     """The ``specdec distill`` pipeline: generate (resumable) -> vocabulary -> initialise -> train -> save."""
     from specdec.api import SpecDecoder
-    from specdec.bench import read_prompts
+    from specdec.prompts import read_prompts
 
     torch.set_num_threads(args.threads) if args.threads else None
     t0 = time.time()

@@ -1,7 +1,8 @@
-"""The drafter interface and the decode state it reads."""
+"""The drafter contract: the decode state it reads, the budget it drafts within, the stop rule it consults."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -26,11 +27,71 @@ class DecodeState:
         return self.seq.gather(1, (self.seq_lens - 1)[:, None]).squeeze(1)
 
 
+class StepCostLike(Protocol):
+    """What a drafter may read of the measured target step cost (:class:`specdec.policies.StepCost`)."""
+
+    def costs(self, n: int) -> list[float]: ...
+
+    def explore(self) -> bool: ...
+
+
+class StopRule:
+    """Decides, after every token a model drafter drafts, which rows keep drafting.
+
+    ``keep_going(depth, logits)`` is called with the depth just drafted (1 for the first draft token)
+    and the draft's logits ``[B, V]`` at that position (the distribution the token was picked from;
+    ``V`` is the draft's own vocabulary, which may be reduced); it returns ``[B] bool``. A row that
+    stops drafts nothing more this step. ``update`` learns from each step's outcome (per row).
+    """
+
+    def begin(self, batch_size: int) -> None:
+        """A new generation of ``batch_size`` rows starts."""
+
+    def keep_going(self, depth: int, logits: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def update(self, drafted: list[int], accepted: list[int]) -> None:
+        """Per row: draft tokens verified and accepted this step (finished rows are left out)."""
+
+
+@dataclass
+class Budget:
+    """What one step may draft, per row.
+
+    max_depth: ``[B]`` host ints, draft tokens on any root-to-leaf path (0: draft nothing);
+    max_nodes: ``[B]`` host ints, draft nodes in the row's tree (``None``: no limit beyond the drafter's own);
+    cost: the target's measured step cost per tree size (``StepCost``), for drafters that size their
+    trees by it (``None``: draft to the depth, no cost planning); stop: a rule a model drafter consults
+    after every drafted token (``None``: draft to the depth).
+    """
+
+    max_depth: list[int]
+    max_nodes: list[int] | None = None
+    cost: StepCostLike | None = None
+    stop: StopRule | None = None
+
+    @property
+    def depth(self) -> int:
+        """The deepest any row may draft this step."""
+        return max(self.max_depth, default=0)
+
+    @classmethod
+    def static(cls, batch_size: int, depth: int, cost: StepCostLike | None = None) -> "Budget":
+        """Every row may draft ``depth`` tokens deep."""
+        return cls([depth] * batch_size, cost=cost)
+
+    def row_depth(self, device) -> torch.Tensor:
+        """``[B] int64`` :attr:`max_depth` on ``device``."""
+        return torch.tensor(self.max_depth, dtype=torch.int64, device=device)
+
+
 class Drafter:
     """Proposes a draft tree per step and learns from the outcome.
 
-    ``begin`` sees the prompts once; ``propose(state, max_len)`` returns a :class:`DraftTree` with at
-    most ``max_len`` draft tokens on any root-to-leaf path; ``update`` gets the accepted path.
+    ``begin`` sees the prompts once; ``propose(state, budget)`` returns a :class:`DraftTree` with at
+    most ``budget.max_depth[b]`` draft tokens on any root-to-leaf path of row ``b``; a drafter that
+    cannot plan by cost itself may attach per-node acceptance estimates (``DraftTree.accept``) for the
+    decode loop's planner to prune by; ``update`` gets the accepted path.
     ``draft_calls`` counts forward passes of a draft model (0 for model-free drafters).
     Drafters with ``needs_hidden`` condition on the target's last hidden state: the decode loop then
     hands them, through :meth:`add_hidden`, the state of every position the target commits.
@@ -42,7 +103,7 @@ class Drafter:
     def begin(self, state: DecodeState) -> None:
         self.draft_calls = 0
 
-    def propose(self, state: DecodeState, max_len: int) -> DraftTree:
+    def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         raise NotImplementedError
 
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
@@ -58,9 +119,6 @@ class Drafter:
         in order: ``hidden [B,n,H]`` (columns past ``counts[b]`` are ignored). Called after ``begin``
         with the prompt, then after every verification with the accepted path (root first)."""
 
-    def observe_step(self, tree_size: int, seconds: float) -> None:
-        """The measured target forward time over this step's tree (for cost-aware drafters)."""
-
     def summary(self) -> dict:
         """Drafter-specific statistics of the last generation (JSON-serialisable)."""
         return {}
@@ -69,5 +127,5 @@ class Drafter:
 class NullDrafter(Drafter):
     """No drafts: every step verifies only the root (plain autoregressive decoding)."""
 
-    def propose(self, state: DecodeState, max_len: int) -> DraftTree:
+    def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         return DraftTree.chain(state.roots)

@@ -5,7 +5,7 @@ import contextlib
 
 import torch
 
-from specdec.drafters.base import DecodeState, Drafter
+from specdec.drafters.base import Budget, DecodeState, Drafter
 from specdec.model import ModelRunner
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig, processed_probs
@@ -18,6 +18,10 @@ class DraftModelDrafter(Drafter):
     processed distribution ``q``, which is handed to verification so rejection sampling stays exact.
     The draft cache keeps every committed token it has seen; after verification it rolls back to
     the accepted prefix, so each step feeds it only the 1-2 tokens it has not seen yet.
+
+    Each row drafts up to its ``budget.max_depth``; with a ``budget.stop`` rule, a row stops as soon as
+    the rule says so after one of its tokens (the token stays in the draft). Drafting ends when no row
+    goes on.
 
     Reduced-vocabulary drafts (a ``draft_vocab [Vd]`` buffer of target ids and a ``reduced_logits()``
     context, as ``specdec distill`` makes) run in their cheap mode: argmax / sampling over the draft
@@ -54,11 +58,12 @@ class DraftModelDrafter(Drafter):
         full = q.new_zeros(q.shape[0], self.target_vocab).index_copy_(1, self.vocab_map, q)
         return self.vocab_map[tok], full
 
-    def propose(self, state: DecodeState, max_len: int) -> DraftTree:
+    def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         with self._mode():
-            return self._propose(state, max_len)
+            return self._propose(state, budget)
 
-    def _propose(self, state: DecodeState, max_len: int) -> DraftTree:
+    def _propose(self, state: DecodeState, budget: Budget) -> DraftTree:
+        max_len = budget.depth
         if max_len < 1:
             return DraftTree.chain(state.roots)
         b = state.seq.shape[0]
@@ -79,12 +84,21 @@ class DraftModelDrafter(Drafter):
         self._commit(torch.arange(width, device=dev).expand(b, width), counts, [s + t for s, t in zip(self._seen, todo)])
         self.draft_calls += 1
         tokens, probs = [], []
+        # Rows still drafting; None while every row drafts to the same depth and no rule may stop one.
+        going = None if budget.stop is None and min(budget.max_depth) == max_len else budget.row_depth(dev) > 0
         for i in range(max_len):
             tok, q = self._pick(logits)
+            if going is not None:
+                tok = tok.masked_fill(~going, -1)  # a stopped row's chain ends at its first -1
+                if budget.stop is not None:
+                    going = going & budget.stop.keep_going(i + 1, logits)
+                going = going & (budget.row_depth(dev) > i + 1)
             tokens.append(tok)
             probs.append(q)
+            if going is not None and not bool(going.any()):
+                break
             if i + 1 < max_len:
-                logits, hidden = self.runner.forward_tree(DraftTree.chain(tok), self.needs_hidden,
+                logits, hidden = self.runner.forward_tree(DraftTree.chain(tok.clamp(min=0)), self.needs_hidden,
                                                           self._step_inputs(hidden))
                 logits = logits[:, 0]
                 hidden = hidden[:, 0] if hidden is not None else None

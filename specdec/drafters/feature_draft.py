@@ -1,7 +1,7 @@
 """Chain drafting with a feature-conditioned (EAGLE-style) draft model.
 
 The draft reads, beside each token ``x_t``, the target's last hidden state ``f_{t-1}`` (see
-:mod:`specdec.distill.eagle`). The decode loop hands this drafter the target's state of every
+:mod:`specdec.draft_models.eagle`). The decode loop hands this drafter the target's state of every
 committed position (:meth:`add_hidden`); they are kept in ``feat [B, capacity + 2, H]``, where
 column ``t`` holds ``f_{t-1}`` (column 0 is zeros: nothing precedes the first token) and the last
 column takes the writes of padded path entries.

@@ -19,20 +19,37 @@ from __future__ import annotations
 import torch
 
 from specdec import kernels
-from specdec.drafters.base import DecodeState, Drafter
+from specdec.drafters.base import Budget, DecodeState, Drafter
 from specdec.kernels.reference import shared_prefixes
 from specdec.ngram_corpus import NGramCorpus
 from specdec.ngram_tables import NGramTables, extend_bigram
-from specdec.policies import StepCost
 from specdec.tree import DraftTree
 
 STRATEGIES = ("mixed", "context", "bigram")
 VERIFY_MODES = ("tree", "batch", "chain")
+SUPPORT_LEVELS = 3  # support_level's levels: one draft, two, three or more
+
+
+def num_sources(q: int, n_max: int, corpus: bool = False) -> int:
+    """Number of draft sources as the drafter numbers them: 0 bigram rows, 1 matches of the last ``q``
+    tokens, ``2 + j`` longest-suffix matches of ``q + 1 + j`` tokens (at least one such source), and
+    with ``corpus`` then one per corpus match length ``1 .. n_max``."""
+    return 2 + max(1, n_max - q) + (n_max if corpus else 0)
+
+
+def num_cells(k: int, w: int, q: int, n_max: int, corpus: bool = False) -> int:
+    """Number of (source, rank, depth, support) cells a node can fall in; a cell is
+    ``((source * k + rank) * w + depth) * SUPPORT_LEVELS + support``."""
+    return num_sources(q, n_max, corpus) * k * w * SUPPORT_LEVELS
 
 
 class NGrammysDrafter(Drafter):
     """``k`` drafts of up to ``w`` tokens per row; context query length ``q`` (the paper's q = 1), and
     longest-suffix matches of up to ``n_max`` tokens ranked first (``n_max <= q`` turns that tier off).
+
+    With ``acceptance`` (a per-cell acceptance table, :class:`specdec.policies.NodeAcceptance`, learned
+    here) and a budget that carries the step cost, each row's tree is pruned to the nodes that pay for
+    their verification cost; otherwise all ``k x w`` drafts are verified (the paper's static schedule).
 
     ``strategy``: ``mixed`` (context first, bigram fills the rest), ``context`` or ``bigram`` only;
     ``corpus`` and ``c``: up to ``c`` corpus drafts per step (not with ``bigram``). ``support``: the
@@ -42,9 +59,8 @@ class NGrammysDrafter(Drafter):
     """
 
     def __init__(self, tables: NGramTables | None, k: int = 10, w: int = 10, q: int = 1, n_max: int = 4,
-                 strategy: str = "mixed", verify: str = "tree", cost: StepCost | None = None,
-                 acceptance: "NodeAcceptance | None" = None, corpus: NGramCorpus | None = None, c: int = 0,
-                 support: bool = True):
+                 strategy: str = "mixed", verify: str = "tree", acceptance=None,
+                 corpus: NGramCorpus | None = None, c: int = 0, support: bool = True):
         if k < 1 or w < 1 or q < 1:
             raise ValueError(f"need k, w, q >= 1, got k={k}, w={w}, q={q}")
         if strategy not in STRATEGIES:
@@ -64,16 +80,14 @@ class NGrammysDrafter(Drafter):
         self.tables, self.k, self.w, self.q, self.n_max = tables, k, w, q, n_max
         self.strategy, self.verify = strategy, verify
         self.corpus, self.c = (corpus if c else None), c
-        self.cost, self.support = cost, bool(support)
-        self.acceptance = acceptance if acceptance is not None else (
-            NodeAcceptance(k, w, q, n_max, corpus=self.c > 0) if cost else None)
-        if self.acceptance is not None and (self.acceptance.proposed.numel() != NodeAcceptance.cells(
-                k, w, q, n_max, self.c > 0)):
+        self.support = bool(support)
+        self.acceptance = acceptance
+        if acceptance is not None and acceptance.proposed.numel() != num_cells(k, w, q, n_max, self.c > 0):
             raise ValueError(f"the acceptance table does not fit k={k}, w={w}, q={q}, n_max={n_max}, c={c}: "
                              "build it with NodeAcceptance(k, w, q, n_max, corpus=c > 0)")
         self._slot: torch.Tensor | None = None  # [B,T] (source, rank, depth, support) cell of each node
         self._chain_of_node: torch.Tensor | None = None
-        self._slot_source: torch.Tensor | None = None  # [B,k] source of each draft slot (NodeAcceptance's numbering)
+        self._slot_source: torch.Tensor | None = None  # [B,k] source of each draft slot (numbered as :func:`num_sources` does)
         self._slot_rank: torch.Tensor | None = None  # [B,k] rank of each slot among its source's drafts
         self.allocation = {"steps": 0, "context_slots": 0, "corpus_slots": 0, "bigram_slots": 0,
                            "context_accepted": 0, "corpus_accepted": 0, "bigram_accepted": 0}
@@ -103,8 +117,8 @@ class NGrammysDrafter(Drafter):
         return drafts, n, long_found.sum(-1), match_n.long()
 
     def drafts(self, state: DecodeState, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[B,k,w]`` drafts (-1 padded), and for each of the ``k`` slots ``[B,k]`` its source (numbered as in
-        :class:`NodeAcceptance`) and ``[B,k]`` its rank among that source's drafts.
+        """``[B,k,w]`` drafts (-1 padded), and for each of the ``k`` slots ``[B,k]`` its source (numbered as
+        :func:`num_sources` does) and ``[B,k]`` its rank among that source's drafts.
 
         Slot order: longest-suffix context matches, then up to ``c`` corpus drafts, then the q-matches,
         then extended-bigram rows (``mixed``) for the slots left.
@@ -138,7 +152,7 @@ class NGrammysDrafter(Drafter):
             big = extend_bigram(self.tables.bigram_on(dev), w, state.roots, k)  # [B,k,w]
             fill = big.gather(1, big_rank.clamp(0, k - 1)[:, :, None].expand(b, k, w))
             drafts = torch.where(in_big[:, :, None], fill, drafts)
-        n_src = NodeAcceptance.sources(self.q, self.n_max)  # corpus sources follow the context ones
+        n_src = num_sources(self.q, self.n_max)  # corpus sources follow the context ones
         long_source = 2 + (match_n[:, None] - self.q - 1).clamp(min=0)  # a longer match is accepted more often
         source = torch.where(in_long, long_source, torch.where(in_cor, n_src + cor_n[:, None] - 1,
                                                                torch.where(in_q, 1, 0)))
@@ -146,18 +160,21 @@ class NGrammysDrafter(Drafter):
                                                       torch.where(in_q, ctx_slot - n_long[:, None], big_rank)))
         return drafts, source, rank.clamp(0, k - 1)
 
-    def propose(self, state: DecodeState, max_len: int) -> DraftTree:
-        w = min(self.w, max_len)
+    def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
+        w = min(self.w, budget.depth)
         self._chain_of_node = None
         if w < 1:
             return DraftTree.chain(state.roots)
         drafts, self._slot_source, self._slot_rank = self.drafts(state, w)
+        if min(budget.max_depth) < w:  # rows allowed less than the deepest: cut their drafts
+            cut = torch.arange(w, device=drafts.device) >= budget.row_depth(drafts.device)[:, None, None]
+            drafts = drafts.masked_fill(cut, -1)
         if self.verify == "chain":
             tree = DraftTree.chain(state.roots, drafts[:, 0])
             self._chain_of_node = torch.zeros(tree.tokens.shape, dtype=torch.int64, device=drafts.device)
             return tree
         merge = self.verify == "tree"
-        if self.cost is None:
+        if budget.cost is None or self.acceptance is None:
             tree, self._chain_of_node, _ = DraftTree.from_drafts(state.roots, drafts, merge)
             return tree
         # Keep, per row, the nodes most likely to be accepted, as many as pay for their cost. A node's
@@ -166,17 +183,13 @@ class NGrammysDrafter(Drafter):
         # Every cost.explore()-th plan keeps one node more, so sizes the plan avoids are timed again.
         b, dev = drafts.shape[0], drafts.device
         cells = ((self._slot_source * self.k + self._slot_rank) * self.w)[:, :, None] + torch.arange(w, device=dev)
-        cells = cells * NodeAcceptance.SUPPORT + (support_level(drafts) if self.support else 0)
+        cells = cells * SUPPORT_LEVELS + (support_level(drafts) if self.support else 0)
         accept = self.acceptance.rates(dev)[cells]  # [B,k,w]
-        cost = torch.tensor(self.cost.costs(self.k * w + 1), device=dev)
+        cost = torch.tensor(budget.cost.costs(self.k * w + 1), device=dev)
         tree, self._chain_of_node, slot = DraftTree.from_drafts(state.roots, drafts, merge, accept, cost,
-                                                                int(self.cost.explore()))
+                                                                int(budget.cost.explore()))
         self._slot = cells.reshape(b, -1).gather(1, slot.clamp(min=0))  # [B,T] cell of each node
         return tree
-
-    def observe_step(self, tree_size: int, seconds: float) -> None:
-        if self.cost is not None:
-            self.cost.observe(tree_size, seconds)
 
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
                drafted: list[int]) -> None:
@@ -188,7 +201,7 @@ class NGrammysDrafter(Drafter):
         if self._slot is not None:
             parts += [self._slot, tree.valid.long()]
         t, k = path.shape[1], self._slot_source.shape[1]
-        n_src = NodeAcceptance.sources(self.q, self.n_max)
+        n_src = num_sources(self.q, self.n_max)
         slots = self.k if self.verify != "chain" else 1
         a, names = self.allocation, ("bigram", "context", "corpus")
         cells, accepted = [], []
@@ -221,64 +234,10 @@ class NGrammysDrafter(Drafter):
 
 def support_level(drafts: torch.Tensor) -> torch.Tensor:
     """``[B,k,w] int64``: how many of a row's ``k`` drafts share each draft's prefix up to each depth,
-    as a level ``0 .. NodeAcceptance.SUPPORT - 1`` (one draft, two, three or more).
+    as a level ``0 .. SUPPORT_LEVELS - 1`` (one draft, two, three or more).
 
     drafts: ``[B,k,w]`` (-1 padded; a draft ends at its first padding). Drafts from different sources
     that agree are accepted far more often than either alone: on 24 dev prompts (bf16) a verified node
     was accepted 20% of the time alone, 42% when two drafts shared it and 67% with three or more, and
     the gap holds within each (source, rank, depth) cell."""
-    return (shared_prefixes(drafts).sum(2) - 1).clamp(0, NodeAcceptance.SUPPORT - 1)
-
-
-class NodeAcceptance:
-    """How often a draft node was accepted, per cell (source, rank, depth, support), with a Beta prior.
-
-    Sources: 0 bigram rows, 1 matches of the last ``q`` tokens, ``2 + j`` longest-suffix matches of
-    ``q + 1 + j`` tokens (``j < n_max - q``), and with ``corpus`` then one per corpus match length
-    ``1 .. n_max``. Support: :func:`support_level` (how many drafts share the node). The prior expects
-    longer matches to be accepted more often than short ones and those more than bigram rows, deeper or
-    lower-ranked nodes less often, and shared nodes more often; measured counts take over after a few steps.
-    A cell is ``((source * k + rank) * w + depth) * SUPPORT + support``.
-    """
-
-    SUPPORT_PRIOR = (1.0, 1.6, 2.2)  # the prior's factor per support level: one draft, two, three or more
-    SUPPORT = len(SUPPORT_PRIOR)
-
-    @staticmethod
-    def sources(q: int, n_max: int, corpus: bool = False) -> int:
-        """Number of sources: bigram, q-match, one per longest-match length (at least one), and with
-        ``corpus`` one per corpus match length."""
-        return 2 + max(1, n_max - q) + (n_max if corpus else 0)
-
-    @classmethod
-    def cells(cls, k: int, w: int, q: int, n_max: int, corpus: bool = False) -> int:
-        """Number of cells of the table for these drafter options."""
-        return cls.sources(q, n_max, corpus) * k * w * cls.SUPPORT
-
-    def __init__(self, k: int, w: int, q: int = 1, n_max: int = 4, *, corpus: bool = False, prior_weight: float = 2.0):
-        rank = torch.arange(k, dtype=torch.float64)[:, None]
-        depth = torch.arange(w, dtype=torch.float64)[None, :]
-        ctx = 0.5 * 0.8**depth / (1 + rank)
-        big = 0.25 * 0.6**depth / (1 + rank)
-        longs = [min(0.9, 0.55 + 0.05 * j) * 0.85**depth / (1 + rank) for j in range(self.sources(q, n_max) - 2)]
-        # corpus matches of 1 .. n_max tokens: a 1-token match is about a bigram row's worth
-        cors = [min(0.6, 0.15 * (1 + j)) * 0.8**depth / (1 + rank) for j in range(n_max if corpus else 0)]
-        base = torch.stack([big, ctx, *longs, *cors])  # [sources, k, w]
-        boost = torch.tensor(self.SUPPORT_PRIOR, dtype=torch.float64)
-        prior = (base[..., None] * boost).clamp(max=0.95).reshape(-1)
-        self.accepted = prior * prior_weight
-        self.proposed = torch.full_like(prior, prior_weight)
-        self._rates: torch.Tensor | None = None
-
-    def rates(self, device) -> torch.Tensor:
-        """``[sources*k*w*SUPPORT] float`` acceptance estimate of each cell."""
-        if self._rates is None or self._rates.device != torch.device(device):
-            self._rates = (self.accepted / self.proposed).float().to(device)
-        return self._rates
-
-    def update(self, cells: torch.Tensor, accepted: torch.Tensor) -> None:
-        """cells: ``[N]`` cell of each verified node; accepted: ``[N] bool``."""
-        cells = cells.cpu()
-        self.proposed.index_add_(0, cells, torch.ones(cells.shape[0], dtype=torch.float64))
-        self.accepted.index_add_(0, cells, accepted.cpu().double())
-        self._rates = None
+    return (shared_prefixes(drafts).sum(2) - 1).clamp(0, SUPPORT_LEVELS - 1)

@@ -8,7 +8,7 @@ target's own ``f_t``; its logits (the reduced-vocabulary output layer over ``f̂
 so one layer goes much further than a small LM drafting from tokens alone. Drafting a chain feeds
 the draft's own ``f̂`` back where the target's state is not known yet.
 
-``SpecdecEagleForCausalLM`` is a :class:`~specdec.distill.model.SpecdecDraftForCausalLM` (same
+``SpecdecEagleForCausalLM`` is a :class:`~specdec.draft_models.reduced.SpecdecDraftForCausalLM` (same
 vocabulary buffers, same reduced/full logits) whose ``forward`` also takes ``target_hidden``
 ``[B,T,H]``; without it there is nothing to condition on, so it raises. Drafters find out through
 :func:`is_feature_draft`.
@@ -19,7 +19,7 @@ import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 
-from specdec.distill.model import SpecdecDraftConfig, SpecdecDraftForCausalLM, draft_from_target, register
+from specdec.draft_models.reduced import SpecdecDraftConfig, SpecdecDraftForCausalLM, draft_from_target
 
 MODEL_TYPE = "specdec_eagle"
 
@@ -72,9 +72,6 @@ class SpecdecEagleForCausalLM(SpecdecDraftForCausalLM):
 def is_feature_draft(model) -> bool:
     """Whether ``model`` drafts from the target's hidden states (needs ``target_hidden``)."""
     return isinstance(model, SpecdecEagleForCausalLM)
-
-
-register(SpecdecEagleConfig, SpecdecEagleForCausalLM)
 
 
 @torch.no_grad()

@@ -1,33 +1,5 @@
-"""Draft-length policies: how many tokens to draft next step."""
+"""The target's measured step cost: seconds of one forward over ``T`` tree tokens."""
 from __future__ import annotations
-
-
-class StaticLength:
-    """Always ``k`` tokens."""
-
-    def __init__(self, k: int):
-        if k < 1:
-            raise ValueError(f"draft length must be >= 1, got {k}")
-        self.k = k
-
-    def length(self) -> int:
-        return self.k
-
-    def update(self, drafted: int, accepted: int) -> None:
-        pass
-
-
-class HeuristicLength(StaticLength):
-    """transformers' ``"heuristic"`` schedule: +2 after a fully accepted draft, else -1 (floor 1)."""
-
-    def __init__(self, k: int = 5, max_k: int = 64):
-        super().__init__(k)
-        self.max_k = max_k
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        self.k = min(self.max_k, self.k + 2) if accepted == drafted else max(1, self.k - 1)
 
 
 class StepCost:
@@ -115,51 +87,3 @@ class StepCost:
                 runner.forward_tree(tree)
                 table[t] = min(table[t], time.perf_counter() - t0)
         return cls(table)
-
-
-class AcceptanceModel:
-    """Per-signal acceptance of deterministic drafts: P(accept >= i) = beta * gamma**(i-1).
-
-    beta is the chance the first draft token is accepted; gamma the chance each further token is,
-    given the previous one was. Counts are censored correctly: a draft accepted in full tells
-    that the run went on at least that far, not where it would have stopped.
-    """
-
-    def __init__(self, prior_beta: float = 0.3, prior_gamma: float = 0.7, prior_weight: float = 4.0):
-        self.prior = (prior_beta, prior_gamma, prior_weight)
-        self.stats: dict[int, list[float]] = {}
-
-    def _get(self, signal: int) -> list[float]:
-        if signal not in self.stats:
-            b, g, w = self.prior
-            self.stats[signal] = [b * w, w, g * w, w]  # first: successes, trials; continuation: successes, trials
-        return self.stats[signal]
-
-    def params(self, signal: int) -> tuple[float, float]:
-        s = self._get(signal)
-        return s[0] / s[1], min(s[2] / s[3], 0.98)
-
-    def update(self, signal: int, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
-            return
-        s = self._get(signal)
-        s[1] += 1
-        if accepted >= 1:
-            s[0] += 1
-            s[2] += accepted - 1
-            s[3] += accepted - 1 + (1 if accepted < drafted else 0)
-
-    def expected_accepted(self, signal: int, k: int) -> float:
-        beta, gamma = self.params(signal)
-        return beta * (1 - gamma**k) / (1 - gamma)
-
-
-def best_length(acceptance: AcceptanceModel, cost: StepCost, signal: int, max_k: int) -> int:
-    """The draft length in ``[0, max_k]`` with the most expected tokens per second of target time."""
-    costs = cost.costs(max_k + 1)
-    best_k, best_rate = 0, 1.0 / costs[0]
-    for k in range(1, max_k + 1):
-        rate = (1.0 + acceptance.expected_accepted(signal, k)) / costs[k]
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k

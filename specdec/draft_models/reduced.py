@@ -120,9 +120,6 @@ def register(config_cls=SpecdecDraftConfig, model_cls=SpecdecDraftForCausalLM) -
     AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
 
 
-register()
-
-
 @torch.no_grad()
 def draft_from_target(target, layers: list[int], draft_vocab: torch.Tensor, target_name: str | None = None,
                       dtype: torch.dtype = torch.float32) -> SpecdecDraftForCausalLM:

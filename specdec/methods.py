@@ -1,0 +1,238 @@
+"""The method registry: one declaration per decoding method.
+
+A :class:`Method` names the method, its options (a dataclass whose fields carry defaults, help and
+allowed values), whether it needs a draft model, and how it builds its drafter and length policy
+on a decoder. ``SpecDecoder.generate_ids``, ``specdec generate`` (flags and ``--help``) and the
+``specdec bench`` labels (``name:key=value:...``) are all derived from :data:`REGISTRY`; adding a
+method means adding one declaration here (or calling :func:`register` from outside).
+
+Builders receive the decoder as ``dec`` and use only its public helpers (``get_draft``,
+``step_cost``, ``ngram_tables``, ``ngram_corpus``, ``acceptance``), so this module does not import
+the API above it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from specdec.draft_models import is_feature_draft
+from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDrafter
+from specdec.drafters.feature_draft import FeatureDraftDrafter
+from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES
+from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance, StaticLength,
+                              StepCost)
+from specdec.verify import SamplingConfig
+
+
+def option(default, help: str, choices: tuple | None = None, flag: str | None = None, cli: bool = True):
+    """A method option: a dataclass field with its help text, allowed values, and CLI flag
+    (default ``--name-with-dashes``; ``cli=False`` keeps it to bench labels and Python)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "cli": cli})
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A method without options."""
+
+
+@dataclass(frozen=True)
+class PLDOptions:
+    num_tokens: int = option(10, "longest draft")
+    n_min: int = option(1, "shortest context n-gram matched", cli=False)
+    n_max: int = option(4, "longest context n-gram matched")
+    schedule: str = option("cost", "cost: cut each draft to the length with the most expected tokens per second "
+                                   "(measured step cost, acceptance learned per matched n-gram size); static; "
+                                   "heuristic (transformers' schedule)", ("cost", "static", "heuristic"))
+
+
+@dataclass(frozen=True)
+class SDOptions:
+    draft_length: int = option(5, "draft tokens per step (heuristic: the starting length)")
+    schedule: str = option("static", "static, or heuristic (transformers' schedule: +2 after a fully "
+                                     "accepted draft, else -1)", ("static", "heuristic"))
+    confidence: float = option(0.0, "stop a row's draft once the draft's top-1 probability falls below this "
+                                    "(transformers' assistant_confidence_threshold; 0: off)")
+    draft: str | None = option(None, "which loaded draft (--draft A,B loads several; default: the first)", cli=False)
+
+
+@dataclass(frozen=True)
+class NGrammysOptions:
+    k: int = option(10, "drafts per step")
+    w: int = option(6, "tokens per draft")
+    q: int = option(1, "context query length")
+    n_max: int = option(6, "longest suffix matched first (<= q turns that tier off)")
+    strategy: str = option("mixed", "draft sources", STRATEGIES)
+    verify: str = option("tree", "trie (tree), k branches (batch, the paper's batch rows), best draft only (chain)",
+                         VERIFY_MODES)
+    c: int | None = option(None, "drafts from the n-gram corpus per step (default 2 with a corpus, else 0)",
+                           flag="--corpus-slots")
+    support: int = option(1, "acceptance estimates per how many drafts share a node (1) or not (0)", (0, 1))
+    schedule: str = option("cost", "cost: prune each row's tree to the nodes worth their measured verification "
+                                   "cost; static: all k x w drafts, as in the paper", ("cost", "static"))
+
+
+@dataclass(frozen=True)
+class Method:
+    """A decoding method.
+
+    build: ``(dec, options, sampling) -> (drafter, policy)``; None for plain autoregressive decoding.
+    """
+
+    name: str
+    summary: str
+    options: type = NoOptions
+    needs_draft: bool = False
+    build: Callable[[Any, Any, SamplingConfig], tuple] | None = None
+
+    def parse(self, given: dict) -> Any:
+        """The options dataclass from ``given`` (name -> value; strings from labels are converted to
+        the field's type). Unknown names and bad values raise ``ValueError``."""
+        fields = {f.name: f for f in dataclasses.fields(self.options)}
+        unknown = sorted(set(given) - set(fields))
+        if unknown:
+            known = ", ".join(fields) or "none"
+            raise ValueError(f"unknown options for {self.name!r}: {unknown} (it takes: {known})")
+        values = {name: _convert(self.name, fields[name], value) for name, value in given.items()}
+        return self.options(**values)
+
+    def fields(self) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(self.options))
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    """The non-None type of an option (``int | None`` -> ``int``)."""
+    hint = typing.get_type_hints(_OWNER[f]).get(f.name, str) if f in _OWNER else str
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) or \
+        typing.get_origin(hint) is typing.Union else [hint]
+    return args[0]
+
+
+_OWNER: dict = {}  # field -> the options dataclass declaring it (for type hints under postponed annotations)
+
+
+def _convert(method: str, f: dataclasses.Field, value):
+    kind = _field_type(f)
+    if value is None:
+        if f.default is not None:
+            raise ValueError(f"{method}: option {f.name!r} needs a value")
+        return None
+    try:
+        if kind is int and not isinstance(value, bool):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            out = int(value)
+        elif kind is float:
+            out = float(value)
+        else:
+            out = str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{method}: option {f.name!r} must be {kind.__name__}, got {value!r}") from None
+    choices = f.metadata.get("choices")
+    if choices and out not in choices:
+        raise ValueError(f"{method}: option {f.name!r} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    if kind in (int, float) and not choices and f.name not in ("confidence",) and out < (0 if f.name == "c" else 1):
+        raise ValueError(f"{method}: option {f.name!r} must be >= {0 if f.name == 'c' else 1}, got {value!r}")
+    if f.name == "confidence" and not 0.0 <= out < 1.0:
+        raise ValueError(f"{method}: option 'confidence' must be in [0, 1), got {value!r}")
+    return out
+
+
+# --- builders -------------------------------------------------------------------------------------
+
+def _length_policy(schedule: str, k: int, max_k: int, cost: StepCost | None = None, stop=None):
+    if schedule == "heuristic":
+        return HeuristicLength(k, max_k=max_k, cost=cost, stop=stop)
+    return StaticLength(k, cost=cost, stop=stop)
+
+
+def _build_pld(dec, o: PLDOptions, sampling: SamplingConfig):
+    cost = o.schedule == "cost"
+    acceptance = dec.acceptance(("pld",), AcceptanceModel) if cost else None
+    drafter = PromptLookupDrafter(o.num_tokens, o.n_min, o.n_max, acceptance=acceptance)
+    return drafter, _length_policy(o.schedule, o.num_tokens, o.num_tokens, dec.step_cost() if cost else None)
+
+
+def _build_sd(dec, o: SDOptions, sampling: SamplingConfig):
+    draft, runner = dec.get_draft(o.draft)
+    cls = FeatureDraftDrafter if is_feature_draft(draft) else DraftModelDrafter
+    stop = ConfidenceStop(o.confidence) if o.confidence > 0 else None
+    return cls(runner, sampling), _length_policy(o.schedule, o.draft_length, 64, stop=stop)
+
+
+def _build_ngrammys(dec, o: NGrammysOptions, sampling: SamplingConfig):
+    c = o.c
+    if c is None:  # a few corpus slots where the decoder has a corpus
+        with_corpus = dec.ngram_corpus() is not None and o.strategy != "bigram"
+        c = min(NGRAMMYS_CORPUS_SLOTS, o.k) if with_corpus else 0
+    o = dataclasses.replace(o, c=c)
+    tables = dec.ngram_tables() if o.strategy != "context" else None
+    cost = o.schedule == "cost"
+    acceptance = None
+    if cost:  # learned across calls, one table per option set
+        key = ("ngrammys",) + tuple(sorted((f.name, getattr(o, f.name)) for f in dataclasses.fields(o)))
+        acceptance = dec.acceptance(key, lambda: NodeAcceptance(o.k, o.w, o.q, o.n_max, corpus=c > 0))
+    drafter = NGrammysDrafter(tables, k=o.k, w=o.w, q=o.q, n_max=o.n_max, strategy=o.strategy, verify=o.verify,
+                              acceptance=acceptance, corpus=dec.ngram_corpus() if c else None, c=c,
+                              support=bool(o.support))
+    return drafter, StaticLength(o.w, cost=dec.step_cost() if cost else None)
+
+
+NGRAMMYS_CORPUS_SLOTS = 2  # ngrammys' default ``c`` where an n-gram corpus fits the model
+
+REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Add ``method`` to :data:`REGISTRY` (its name must be new)."""
+    if method.name in REGISTRY:
+        raise ValueError(f"method {method.name!r} is already registered")
+    if not dataclasses.is_dataclass(method.options):
+        raise TypeError(f"{method.name}: options must be a dataclass")
+    for f in dataclasses.fields(method.options):
+        _OWNER[f] = method.options
+    REGISTRY[method.name] = method
+    return method
+
+
+register(Method("ar", "specdec's own autoregressive loop (preallocated KV cache, one token per target call)"))
+register(Method("sd", "classic speculative decoding with a same-vocabulary draft model (--draft)", SDOptions, True,
+                _build_sd))
+register(Method("pld", "prompt lookup: the continuation of the longest matching context n-gram, cut to a "
+                       "cost-aware length", PLDOptions, False, _build_pld))
+register(Method("ngrammys", "N-Grammys: k drafts from context n-grams, the n-gram corpus and the model's bigram "
+                            "table, merged into one trie", NGrammysOptions, False, _build_ngrammys))
+
+
+def get(name: str) -> Method:
+    """The registered method ``name`` (a clear error listing the others if there is none)."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown method {name!r}: choose from {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def parse_label(label: str) -> tuple[str, dict[str, str]]:
+    """``"ngrammys:k=5:strategy=context"`` -> ``("ngrammys", {"k": "5", "strategy": "context"})``
+    (values stay strings; :meth:`Method.parse` types them)."""
+    name, *pairs = label.split(":")
+    opts: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad method option {pair!r} in {label!r}: use name=value")
+        if key in opts:
+            raise ValueError(f"option {key!r} given twice in {label!r}")
+        opts[key] = value
+    return name, opts
+
+
+def __getattr__(name: str):
+    if name == "METHODS":  # the registered names, as registered so far
+        return names()
+    raise AttributeError(name)

@@ -1,0 +1,14 @@
+"""Policies: how far to draft each step (budgets, stop rules) and what is worth verifying (planners).
+
+Drafters never import this package: they receive a :class:`~specdec.drafters.base.Budget` (per-row
+depth, the measured :class:`StepCost`, an optional :class:`~specdec.drafters.base.StopRule`) and may
+hold an acceptance table that the method's declaration builds for them.
+"""
+from specdec.drafters.base import Budget, StopRule
+from specdec.policies.acceptance import AcceptanceModel, NodeAcceptance
+from specdec.policies.cost import StepCost
+from specdec.policies.length import ConfidenceStop, HeuristicLength, StaticLength
+from specdec.policies.planner import best_length, best_sizes, prune
+
+__all__ = ["Budget", "StopRule", "StepCost", "AcceptanceModel", "NodeAcceptance", "StaticLength", "HeuristicLength",
+           "ConfidenceStop", "best_length", "best_sizes", "prune"]

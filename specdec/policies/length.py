@@ -1,0 +1,92 @@
+"""Length policies: each step's drafting budget per row, and stop rules that end a row's draft early.
+
+A policy turns the tokens each row may still emit into a :class:`~specdec.drafters.base.Budget`
+(``budget``) and learns from what verification accepted (``update``). Every policy may carry the
+target's measured :class:`~specdec.policies.cost.StepCost` (cost-aware drafters and the planner size
+trees by it; the decode loop times every step into it) and a :class:`StopRule` for model drafters.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import Budget, StopRule
+from specdec.policies.cost import StepCost
+
+
+class StaticLength:
+    """Always ``k`` tokens deep (or what a row has left to emit)."""
+
+    def __init__(self, k: int, cost: StepCost | None = None, stop: StopRule | None = None):
+        if k < 1:
+            raise ValueError(f"draft length must be >= 1, got {k}")
+        self.k, self.cost, self.stop = k, cost, stop
+
+    def begin(self, batch_size: int) -> None:
+        """A new generation of ``batch_size`` rows starts."""
+        if self.stop is not None:
+            self.stop.begin(batch_size)
+
+    def depths(self, rows: int) -> list[int]:
+        """This step's wanted depth per row, before the rows' remaining lengths cut it."""
+        return [self.k] * rows
+
+    def budget(self, left: list[int]) -> Budget:
+        """The budget for rows that may still draft ``left [B]`` tokens (what each may emit, less the
+        token verification always adds)."""
+        return Budget([max(0, min(d, n)) for d, n in zip(self.depths(len(left)), left)], cost=self.cost,
+                      stop=self.stop)
+
+    def observe_step(self, tree_size: int, seconds: float) -> None:
+        """The measured target forward over a tree of ``tree_size`` nodes."""
+        if self.cost is not None:
+            self.cost.observe(tree_size, seconds)
+
+    def update(self, drafted: list[int], accepted: list[int], rows: list[int] | None = None) -> None:
+        """Per active row: draft tokens verified and accepted this step; ``rows``: which rows the lists
+        describe (default: all, in order)."""
+        if self.stop is not None:
+            self.stop.update(drafted, accepted)
+
+
+class HeuristicLength(StaticLength):
+    """transformers' ``"heuristic"`` schedule, per row: +2 after a fully accepted draft, else -1 (floor 1)."""
+
+    def __init__(self, k: int = 5, max_k: int = 64, cost: StepCost | None = None, stop: StopRule | None = None):
+        super().__init__(k, cost, stop)
+        self.max_k = max_k
+        self._rows: list[int] = []
+
+    def begin(self, batch_size: int) -> None:
+        super().begin(batch_size)
+        self._rows = [self.k] * batch_size
+
+    def length(self) -> int:
+        """The current length of row 0 (the whole schedule, for one row)."""
+        return self._rows[0] if self._rows else self.k
+
+    def depths(self, rows: int) -> list[int]:
+        if len(self._rows) != rows:
+            self._rows = [self.k] * rows
+        return list(self._rows)
+
+    def update(self, drafted: list[int], accepted: list[int], rows: list[int] | None = None) -> None:
+        super().update(drafted, accepted, rows)
+        if not self._rows:
+            self._rows = [self.k] * len(drafted)
+        for r, d, a in zip(rows if rows is not None else range(len(drafted)), drafted, accepted):
+            if d:
+                self._rows[r] = min(self.max_k, self._rows[r] + 2) if a == d else max(1, self._rows[r] - 1)
+
+
+class ConfidenceStop(StopRule):
+    """Stop a row's draft once the draft's top-1 probability falls below ``threshold`` (transformers'
+    ``assistant_confidence_threshold``): a draft unsure of its token is unlikely to be accepted."""
+
+    def __init__(self, threshold: float):
+        if not 0.0 <= threshold < 1.0:
+            raise ValueError(f"confidence threshold must be in [0, 1), got {threshold}")
+        self.threshold = threshold
+
+    def keep_going(self, depth: int, logits: torch.Tensor) -> torch.Tensor:
+        top = logits.float().softmax(-1).amax(-1)
+        return top >= self.threshold

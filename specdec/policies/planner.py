@@ -1,0 +1,69 @@
+"""Cost planners: how much of a draft to verify, given acceptance estimates and the measured step cost.
+
+Every planner maximises expected tokens per second of target time: a step that verifies ``n`` draft
+nodes emits ``1 + E[accepted]`` tokens and costs ``c(n + 1)`` (the root is always verified).
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.policies.acceptance import AcceptanceModel
+from specdec.policies.cost import StepCost
+from specdec.tree import DraftTree
+
+
+def best_length(acceptance: AcceptanceModel, cost: StepCost, signal: int, max_k: int) -> int:
+    """The draft length in ``[0, max_k]`` with the most expected tokens per second of target time."""
+    costs = cost.costs(max_k + 1)
+    best_k, best_rate = 0, 1.0 / costs[0]
+    for k in range(1, max_k + 1):
+        rate = (1.0 + acceptance.expected_accepted(signal, k)) / costs[k]
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+def best_sizes(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost, explore: bool = False) -> list[int]:
+    """Per row, how many draft nodes to verify: the ``n`` most likely to be reached.
+
+    reach: ``[B,T]`` probability that each node is accepted (the product of its path's conditional
+    acceptance; the root's column is ignored); valid: ``[B,T] bool``. Nodes are taken by descending
+    ``reach``, which keeps every kept node's parent (a parent is reached at least as often as its child).
+    ``explore``: one node more than the optimum where a row has one (so sizes the plan avoids get timed).
+    Returns ``[B]`` host ints.
+    """
+    r = reach[:, 1:].float().masked_fill(~valid[:, 1:], 0.0)
+    n_valid = valid[:, 1:].sum(-1).tolist()
+    if r.shape[1] == 0:
+        return [0] * r.shape[0]
+    top = r.sort(dim=1, descending=True).values.cumsum(1)  # [B,T-1] expected accepted with n = 1.. nodes
+    costs = torch.tensor(cost.costs(r.shape[1] + 1), dtype=top.dtype)
+    rates = torch.cat([torch.ones_like(top[:, :1]), 1.0 + top.cpu()], 1) / costs  # [B,T]: n = 0 .. T-1
+    # Rows may not verify more nodes than they hold.
+    n = torch.arange(rates.shape[1])[None]
+    rates = rates.masked_fill(n > torch.tensor(n_valid)[:, None], float("-inf"))
+    best = rates.argmax(1).tolist()  # the first (smallest) n among equal rates
+    if explore:
+        best = [min(b + 1, v) for b, v in zip(best, n_valid)]
+    return best
+
+
+def prune(tree: DraftTree, cost: StepCost) -> DraftTree:
+    """``tree`` cut to the nodes worth their verification cost, by its per-node ``accept`` estimates.
+
+    A chain stays a chain (each row cut to its best length, the width to the longest kept); a tree keeps
+    each row's most likely nodes (:meth:`DraftTree.select`). Calls ``cost.explore()`` once.
+    """
+    keep = best_sizes(tree.accept, tree.valid, cost, cost.explore())
+    if tree.is_chain:
+        width = max(1, max(keep))
+        drafts = tree.tokens[:, 1: 1 + width].masked_fill(~tree.valid[:, 1: 1 + width], -1)
+        cut = torch.arange(drafts.shape[1], device=drafts.device)[None] >= torch.tensor(keep, device=drafts.device)[:, None]
+        probs = tree.draft_probs[:, 1: 1 + width] if tree.draft_probs is not None else None
+        return DraftTree.chain(tree.tokens[:, 0], drafts.masked_fill(cut, -1), probs)
+    r = tree.accept.float().masked_fill(~tree.valid, -1.0)
+    r[:, 0] = 2.0  # the root first
+    order = r.argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    selected = rank <= torch.tensor(keep, device=rank.device)[:, None]
+    return tree.select(selected & tree.valid)[0]

@@ -1,0 +1,110 @@
+"""Per-row budgets, stop rules and the cost planner."""
+from __future__ import annotations
+
+import torch
+
+from specdec.api import SpecDecoder, hf_generate
+from specdec.drafters import DraftModelDrafter
+from specdec.drafters.base import Budget, DecodeState, StopRule
+from specdec.model import ModelRunner
+from specdec.policies import HeuristicLength, StepCost, best_sizes, prune
+from specdec.tree import DraftTree
+from specdec.verify import SamplingConfig
+from tests.conftest import tiny_model
+from tests.test_greedy_lossless import perturbed, prompt_of
+
+GREEDY = SamplingConfig()
+
+
+class StopRowZeroAt(StopRule):
+    """Row 0 stops after ``depth`` tokens; the others go on. Records what it was asked."""
+
+    def __init__(self, depth: int):
+        self.depth, self.calls = depth, []
+
+    def keep_going(self, depth, logits):
+        self.calls.append((depth, tuple(logits.shape)))
+        go = torch.ones(logits.shape[0], dtype=torch.bool)
+        go[0] = depth < self.depth
+        return go
+
+
+def _state(prompts):
+    width = max(map(len, prompts)) + 8
+    seq = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for r, p in enumerate(prompts):
+        seq[r, : len(p)] = torch.tensor(p)
+    lens = [len(p) for p in prompts]
+    return DecodeState(seq, torch.tensor(lens), lens)
+
+
+def test_draft_model_honours_per_row_depths_and_stop_rules():
+    draft = tiny_model("llama")
+    prompts = [prompt_of(6, seed=1), prompt_of(9, seed=2), prompt_of(4, seed=3)]
+    runner = ModelRunner(draft)
+    state = _state(prompts)
+
+    class Drafter(DraftModelDrafter):
+        def propose(self, state, budget):  # each proposal from the same state: roll back after it
+            tree = super().propose(state, budget)
+            self.update(state, tree, None, [], [])
+            return tree
+
+    drafter = Drafter(runner, GREEDY)
+    drafter.begin(state)
+    tree = drafter.propose(state, Budget([1, 4, 0]))
+    assert tree.num_drafted.tolist() == [1, 4, 0]
+    full = drafter.propose(state, Budget.static(3, 4))
+    assert (tree.tokens[1, 1:] == full.tokens[1, 1:]).all()  # the same chain, whatever the other rows do
+    stop = StopRowZeroAt(2)
+    cut = drafter.propose(state, Budget([4, 4, 4], stop=stop))
+    assert cut.num_drafted.tolist() == [2, 4, 4]
+    assert [d for d, _ in stop.calls] == [1, 2, 3, 4] and stop.calls[0][1][0] == 3
+    assert drafter.propose(state, Budget([4, 4, 4], stop=StopRowZeroAt(0))).num_drafted.tolist()[0] == 1
+    everyone_stops = StopRule()
+    everyone_stops.keep_going = lambda depth, logits: torch.zeros(logits.shape[0], dtype=torch.bool)
+    calls = drafter.draft_calls
+    assert drafter.propose(state, Budget([4, 4, 4], stop=everyone_stops)).num_drafted.tolist() == [1, 1, 1]
+    assert drafter.draft_calls == calls + 1  # no draft forward after every row stopped
+
+
+def test_confidence_stop_is_lossless_and_drafts_less():
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6))
+    prompts = [prompt_of(7, seed=4), prompt_of(25, seed=5)]
+    ref = [hf_generate(target, p, 30, GREEDY) for p in prompts]
+    plain = dec.generate_ids(prompts, "sd", 30, GREEDY, draft_length=6)
+    sure = dec.generate_ids(prompts, "sd", 30, GREEDY, draft_length=6, confidence=0.9)
+    assert plain.tokens == ref and sure.tokens == ref
+    assert sure.stats.drafted_tokens < plain.stats.drafted_tokens
+
+
+def test_heuristic_length_is_per_row():
+    pol = HeuristicLength(3, max_k=10)
+    pol.begin(2)
+    pol.update([3], [3], rows=[1])  # only row 1 drafted, fully accepted
+    assert pol.budget([20, 20]).max_depth == [3, 5]
+    assert pol.budget([20, 2]).max_depth == [3, 2]  # no row drafts past what it may still emit
+
+
+def test_prune_keeps_parents_and_pays_for_cost():
+    # root -> a (0.9) -> b (0.8) ; root -> c (0.3) -> d (0.05)
+    tree = DraftTree.from_parents(torch.tensor([[9, 1, 2, 3, 4]]), torch.tensor([[-1, 0, 1, 0, 3]]))
+    tree.accept = torch.tensor([[1.0, 0.9, 0.72, 0.3, 0.015]])
+    free = StepCost({1: 1.0, 16: 1.0}, explore_every=0)
+    assert best_sizes(tree.accept, tree.valid, free) == [4]
+    steep = StepCost({1: 1.0, 5: 1.8}, explore_every=0)
+    # n nodes: (1 + sum of the n best) / c(n + 1) = 1.0, 1.58, 1.87, 1.83, 1.63
+    assert best_sizes(tree.accept, tree.valid, steep) == [2]
+    assert prune(tree, steep).tokens[0].tolist() == [9, 1, 2]
+    linear = StepCost({1: 1.0, 5: 1.4}, explore_every=0)
+    # 1.0, 1.73, 2.18, 2.25, 2.10: the branch c joins, its child d does not
+    assert best_sizes(tree.accept, tree.valid, linear) == [3]
+    assert best_sizes(tree.accept, tree.valid, linear, explore=True) == [4]
+    kept = prune(tree, linear)
+    assert kept.tokens[0].tolist() == [9, 1, 2, 3] and kept.parents[0].tolist() == [-1, 0, 1, 0]
+    assert torch.allclose(kept.accept[0], torch.tensor([1.0, 0.9, 0.72, 0.3]))
+    chain = DraftTree.chain(torch.tensor([9, 9]), torch.tensor([[1, 2, 3], [4, -1, -1]]))
+    chain.accept = torch.tensor([[1.0, 0.9, 0.8, 0.1], [1.0, 0.95, 0.0, 0.0]])
+    cut = prune(chain, linear)
+    assert cut.is_chain and cut.num_drafted.tolist() == [2, 1]

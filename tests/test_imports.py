@@ -1,0 +1,37 @@
+"""Import hygiene: the operators need torch alone; the runtime does not load the trainer."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sys.modules))"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    return set(out.split())
+
+
+def test_kernels_import_without_transformers():
+    loaded = _modules_after("import specdec.kernels, specdec.kernels.reference; specdec.kernels.has_native('tree_attention')")
+    assert "specdec.kernels" in loaded
+    assert "transformers" not in loaded
+    assert not any(m.startswith("specdec.") and m.split(".")[1] not in ("kernels", "_C") for m in loaded), \
+        sorted(m for m in loaded if m.startswith("specdec."))
+
+
+def test_top_level_is_lazy():
+    loaded = _modules_after("import specdec; assert specdec.__version__")
+    assert "transformers" not in loaded and "specdec.api" not in loaded
+    loaded = _modules_after("import specdec; specdec.SpecDecoder")
+    assert "specdec.api" in loaded
+
+
+def test_runtime_does_not_import_the_trainer():
+    loaded = _modules_after("import specdec.api, specdec.bench, specdec.cli, specdec.hub")
+    assert not any(m.startswith("specdec.distill") for m in loaded), sorted(m for m in loaded if "distill" in m)
+
+
+def test_drafters_do_not_import_policies_or_the_api():
+    loaded = _modules_after("import specdec.drafters, specdec.drafters.feature_draft")
+    assert not any(m.startswith(("specdec.policies", "specdec.api", "specdec.methods", "specdec.decoding"))
+                   for m in loaded), sorted(m for m in loaded if m.startswith("specdec."))
