@@ -48,19 +48,35 @@ def best_sizes(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost, explore
     return best
 
 
+def _chain_sizes(reach: list[list[float]], drafted: list[int], cost: StepCost, explore: bool) -> list[int]:
+    """:func:`best_sizes` for chains, on the host: a chain's nodes are already in order of ``reach``
+    (a few host operations instead of a dozen small tensor ops per step)."""
+    costs = cost.costs(max(drafted, default=0) + 1)
+    out = []
+    for row, n in zip(reach, drafted):
+        best, best_rate, expected = 0, 1.0 / costs[0], 1.0
+        for i in range(1, n + 1):
+            expected += row[i]
+            if expected / costs[i] > best_rate:
+                best, best_rate = i, expected / costs[i]
+        out.append(min(best + 1, n) if explore else best)
+    return out
+
+
 def prune(tree: DraftTree, cost: StepCost) -> DraftTree:
     """``tree`` cut to the nodes worth their verification cost, by its per-node ``accept`` estimates.
 
     A chain stays a chain (each row cut to its best length, the width to the longest kept); a tree keeps
     each row's most likely nodes (:meth:`DraftTree.select`). Calls ``cost.explore()`` once.
     """
-    keep = best_sizes(tree.accept, tree.valid, cost, cost.explore())
     if tree.is_chain:
+        keep = _chain_sizes(tree.accept.tolist(), tree.num_drafted.tolist(), cost, cost.explore())
         width = max(1, max(keep))
         drafts = tree.tokens[:, 1: 1 + width].masked_fill(~tree.valid[:, 1: 1 + width], -1)
         cut = torch.arange(drafts.shape[1], device=drafts.device)[None] >= torch.tensor(keep, device=drafts.device)[:, None]
         probs = tree.draft_probs[:, 1: 1 + width] if tree.draft_probs is not None else None
         return DraftTree.chain(tree.tokens[:, 0], drafts.masked_fill(cut, -1), probs)
+    keep = best_sizes(tree.accept, tree.valid, cost, cost.explore())
     r = tree.accept.float().masked_fill(~tree.valid, -1.0)
     r[:, 0] = 2.0  # the root first
     order = r.argsort(dim=1, descending=True, stable=True)
