@@ -153,7 +153,8 @@ def speculative_generate(
         stats.target_calls += 1
         policy.observe_step(tree.size, forward_s)
 
-        path, path_len, nxt = verifier.verify(tree, logits)
+        verdict = verifier.verify(tree, logits)
+        path, path_len, nxt = verdict.path, verdict.path_len, verdict.next_token
         active = torch.tensor([not d for d in out.done], device=target.device)
         path_len = torch.where(active, path_len, 0)  # finished rows stand still
         # Tokens this step emits per row: the accepted drafts, then the next token.
