@@ -25,7 +25,7 @@ from scipy import stats
 from specdec import kernels
 from specdec.api import SpecDecoder
 from specdec.tree import DraftTree
-from specdec.verify import SamplingConfig, processed_probs
+from specdec.verify import SamplingConfig, Verifier, processed_probs
 from tests.conftest import tiny_model
 from tests.test_greedy_lossless import perturbed
 
@@ -416,3 +416,103 @@ def test_generate_planted_bug_is_detected(e2e_decoder, monkeypatch):
     monkeypatch.setattr(kernels, "tree_verify_sampling", planted("onehot_residual"))
     pvals, *_ = e2e_pvalues(e2e_decoder, "sd", "topk6-topp0.85", False, rows=3000)
     assert pvals["joint"] < POWER, pvals
+
+
+
+# ----------------------------------------------------------------------------------------
+# bonus=False (PEARL's post-verify), through Verifier.verify
+# ----------------------------------------------------------------------------------------
+
+
+def target_after(tables: Tables, seq: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``[B,V]`` the target's distribution after each row's first ``n[b]`` tokens of ``seq [B,>=2]``
+    (``n`` in 0..2; rows with ``n > 2`` get ``P0``, a stand-in for rows whose value is never used)."""
+    t1, t2 = seq[:, 0].clamp(min=0), seq[:, 1].clamp(min=0)
+    n = n[:, None]
+    return torch.where(n == 0, tables.P0.expand(B, V),
+                       torch.where(n == 1, tables.P1[t1], torch.where(n == 2, tables.P2[t1, t2], tables.P0.expand(B, V))))
+
+
+def verify_no_bonus(verifier: Verifier, tree: DraftTree, logits: torch.Tensor):
+    """(emitted tokens ``[B,T]`` -1 padded, their count ``[B]``) of one ``bonus=False`` verification."""
+    res = verifier.verify(tree, logits, bonus=False)
+    return res.emitted(tree), res.num_emitted
+
+
+def accept_leaf_untested(verifier: Verifier, tree: DraftTree, logits: torch.Tensor):
+    """A wrong ``bonus=False`` (a planted bug): node ``T-1`` has no logits row, so it is taken whenever
+    its parent ends the path, without the ``min(1, p/q)`` test against the parent's distribution."""
+    t = tree.size
+    drafts = torch.where(tree.valid, tree.tokens, -1)[:, 1:-1]
+    trunc = DraftTree.chain(tree.tokens[:, 0], drafts, tree.draft_probs[:, 1:-1])
+    res = verifier.verify(trunc, logits)  # the chain without its last node, with the bonus token
+    out = torch.cat([res.emitted(trunc), torch.full_like(res.path[:, :1], -1)], dim=1)
+    take = (res.path_len == t - 1) & tree.valid[:, t - 1]
+    out[take, t - 2] = tree.tokens[take, t - 1]  # the leaf instead of the bonus token: same count
+    return out, res.num_emitted
+
+
+def run_no_bonus(verify, seed: int):
+    """The first three tokens when every verification runs with ``bonus=False``.
+
+    Call 1 verifies chains root -> x1 ~ Q1 -> x2 ~ Q2[x1] (a third stop after x1) with the target's
+    logits at the root and x1 only. Call 2 is a fresh verification at the next position: a chain
+    y1 ~ Q1 -> y2 ~ Q2[y1] rooted at the last emitted token (y2 only where two tokens are missing),
+    logits again without the last node's. Whatever is still missing is sampled from the tables, as
+    later steps would. Returns (counts ``[V]*3``, exact ``P0 x P1 x P2``, tokens from call 1 ``[B]``,
+    whether call 1 accepted every draft of a row ``[B]``)."""
+    tables = Tables(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    verifier = Verifier(SamplingConfig(temperature=1.0, seed=seed + 2), torch.device("cpu"))
+    x1 = sample(tables.Q1.expand(B, V), g)
+    x2 = sample(tables.Q2[x1], g)
+    full = torch.rand(B, generator=g) >= 1 / 3
+    drafts = torch.stack([x1, torch.where(full, x2, -1)], dim=1)
+    tree = DraftTree.chain(torch.zeros(B, dtype=torch.int64), drafts, torch.stack([tables.Q1.expand(B, V), tables.Q2[x1]], 1))
+    # logits: log of the target's distributions (softmax at temperature 1 gives them back, zeros at -inf).
+    out1, n1 = verify(verifier, tree, torch.stack([tables.P0.expand(B, V), tables.P1[x1]], dim=1).log())
+    seq = torch.full((B, 3), -1, dtype=torch.int64)
+    seq[:, :2] = out1[:, :2]
+    n = n1.clone()
+    assert bool((n >= 1).all()) and bool((n <= 2).all())
+    all_accepted = (out1[:, 0] == x1) & ((out1[:, 1] == x2) | ~full) & (n1 == 1 + full.long())
+
+    y1 = sample(tables.Q1.expand(B, V), g)
+    y2 = sample(tables.Q2[y1], g)
+    drafts2 = torch.stack([y1, torch.where(n == 1, y2, -1)], dim=1)
+    root2 = seq.gather(1, (n - 1)[:, None]).squeeze(1)
+    tree2 = DraftTree.chain(root2, drafts2, torch.stack([tables.Q1.expand(B, V), tables.Q2[y1]], dim=1))
+    after_y1 = torch.where((n == 1)[:, None], torch.stack([seq[:, 0], y1], dim=1), seq[:, :2])
+    logits2 = torch.stack([target_after(tables, seq, n), target_after(tables, after_y1, n + 1)], dim=1).log()
+    out2, n2 = verify(verifier, tree2, logits2)
+    for j in range(2):  # call 2's tokens go after each row's first n
+        put = (n < 3) & (n2 > j)
+        seq[put, n[put]] = out2[put, j]
+        n = n + put.long()
+    for j in range(3):
+        missing = n == j
+        seq[:, j] = torch.where(missing, sample(target_after(tables, seq, n.clamp(max=2)), g), seq[:, j])
+        n = n + missing.long()
+    assert bool((seq >= 0).all())
+    return joint_counts(seq, V), tables.exact(), n1, all_accepted & full, all_accepted & ~full
+
+
+@pytest.mark.parametrize("seed", [0, 10])
+def test_no_bonus_sampling_is_lossless(seed):
+    """With ``bonus=False`` the emitted tokens, continued by a fresh verification at the next position,
+    follow the target exactly (joint, marginals, consecutive pairs of the first three)."""
+    counts, exact, n1, full_accepted, short_accepted = run_no_bonus(verify_no_bonus, seed)
+    pvals = fit_pvalues(counts, exact)
+    assert min(pvals.values()) > PASS, pvals
+    # Every case happened often: both drafts accepted (no next token), a short chain's only draft
+    # accepted (no next token), a rejection with its correction token (call 1 emitted 1 or 2 tokens).
+    assert int(full_accepted.sum()) > 1000 and int(short_accepted.sum()) > 1000, (full_accepted.sum(), short_accepted.sum())
+    assert int((~full_accepted & ~short_accepted).sum()) > 1000
+    assert int((n1 == 1).sum()) > 1000 and int((n1 == 2).sum()) > 1000
+
+
+def test_no_bonus_planted_bug_is_detected():
+    """Power: taking the logit-less last draft untested fails the same test."""
+    counts, exact, *_ = run_no_bonus(accept_leaf_untested, 0)
+    pvals = fit_pvalues(counts, exact)
+    assert pvals["joint"] < POWER and pvals["t2"] < POWER, pvals
