@@ -7,6 +7,7 @@ token -> the runner keeps the accepted KV -> drafter and policy learn from the o
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,15 @@ class DecodeStats:
     accept_lengths: list[int] = field(default_factory=list)
     drafter: dict = field(default_factory=dict)
 
+    def record(self, step: "StepOutcome", rows: list[int]) -> None:
+        """Count one verification step of the ``rows`` still generating."""
+        self.steps += 1
+        self.target_calls += 1
+        for r in rows:
+            self.drafted_tokens += step.drafted[r]
+            self.accepted_tokens += step.lengths[r] - 1
+            self.accept_lengths.append(step.lengths[r] - 1)
+
 
 @dataclass
 class DecodeResult:
@@ -45,26 +55,23 @@ class DecodeResult:
     stats: DecodeStats
 
 
-def _prepare(prompts: list[list[int]], max_new_tokens: int, extra: int, device) -> tuple[DecodeState, torch.Tensor]:
+def _start(target: ModelRunner, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+           eos_token_ids: set[int] | None, margin: int) -> tuple[DecodeState, "_Outputs", Verifier]:
+    """Check the inputs, lay the prompts into a decode state and reset the runner for them (with
+    ``margin`` cache positions past the longest sequence for a step's draft tree)."""
     if not prompts:
         raise ValueError("no prompts given")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: at least one token is needed")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    b = len(prompts)
-    lens = [len(p) for p in prompts]
-    seq = torch.zeros(b, max(lens) + max_new_tokens + extra, dtype=torch.int64)
-    for r, p in enumerate(prompts):
-        seq[r, : len(p)] = torch.tensor(p, dtype=torch.int64)
-    seq = seq.to(device)
-    return DecodeState(seq, torch.tensor(lens, device=device), lens), torch.tensor(lens, device=device)
-
-
-def _check_capacity(runner: ModelRunner, needed: int) -> None:
-    if needed > runner.max_positions:
-        raise ValueError(
-            f"context too long: prompt plus max_new_tokens needs {needed} positions, the model has {runner.max_positions}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > target.max_positions:
+        raise ValueError(f"context too long: prompt plus max_new_tokens needs {longest + max_new_tokens} positions, "
+                         f"the model has {target.max_positions}")
+    state = DecodeState.of(prompts, longest + max_new_tokens + 1, target.device)
+    target.reset(len(prompts), state.seq.shape[1] + margin)
+    return state, _Outputs(len(prompts), max_new_tokens, eos_token_ids or set()), Verifier(sampling, target.device)
 
 
 class _Outputs:
@@ -83,10 +90,56 @@ class _Outputs:
                 self.done[row] = True
                 return
 
+    def add_each(self, tokens: list[int]) -> None:
+        """One new token per row (finished rows ignore theirs)."""
+        for r, tok in enumerate(tokens):
+            if not self.done[r]:
+                self.add(r, [tok])
+
     def left(self) -> list[int]:
         """``[B]`` draft tokens each row may still use: what it may emit less the one token every step
         adds (0 for finished rows)."""
         return [0 if d else self.max_new - len(t) - 1 for t, d in zip(self.tokens, self.done)]
+
+
+@contextmanager
+def _timed(stats: DecodeStats, *fields: str):
+    """Add the wall time of the ``with`` body to each of ``stats``'s ``fields``; yields a one-item list
+    that holds the seconds afterwards (for a caller that needs the value too)."""
+    seconds = [0.0]
+    t0 = time.perf_counter()
+    try:
+        yield seconds
+    finally:
+        seconds[0] = time.perf_counter() - t0
+        for name in fields:
+            setattr(stats, name, getattr(stats, name) + seconds[0])
+
+
+@dataclass
+class StepOutcome:
+    """What one verification step did, on the host after one transfer.
+
+    path ``[B,T]`` / path_len ``[B]``: the accepted nodes per row (root included; 0 for finished rows,
+    which stand still); emitted ``[B,T]``: the tokens the step emits per row (accepted drafts, then the
+    next token; ``path_len`` of them); lengths, drafted, tokens: ``path_len``, the draft nodes verified
+    and the emitted tokens per row, on the host.
+    """
+
+    path: torch.Tensor
+    path_len: torch.Tensor
+    emitted: torch.Tensor
+    lengths: list[int]
+    drafted: list[int]
+    tokens: list[list[int]]
+
+    @classmethod
+    def of(cls, tree: DraftTree, verdict, active: list[bool]) -> "StepOutcome":
+        path_len = torch.where(torch.tensor(active, device=tree.tokens.device), verdict.path_len.long(), 0)
+        emitted = verdict.emitted(tree)
+        host = torch.cat([path_len[:, None], tree.num_drafted[:, None], emitted], dim=1).tolist()
+        return cls(verdict.path, path_len, emitted, [h[0] for h in host], [h[1] for h in host],
+                   [h[2: 2 + h[0]] for h in host])
 
 
 @torch.inference_mode()
@@ -107,87 +160,42 @@ def speculative_generate(
     Returns the new tokens of each row (stopping after an EOS or at ``max_new_tokens``) and stats.
     """
     policy = policy or StaticLength(64)
-    t0 = time.perf_counter()
-    stats = DecodeStats()
-    state, prompt_lens = _prepare(prompts, max_new_tokens, 1, target.device)
-    _check_capacity(target, max(state.seq_lens_host) + max_new_tokens)
-    target.reset(len(prompts), state.seq.shape[1] + TREE_MARGIN)
-    b = len(prompts)
-    verifier = Verifier(sampling, target.device)
-    out = _Outputs(b, max_new_tokens, eos_token_ids or set())
-    rows = torch.arange(b, device=target.device)
-
-    need_hidden = drafter.needs_hidden
-    ts = time.perf_counter()
-    logits, prompt_hidden = target.prefill(state.seq[:, : max(state.seq_lens_host)], prompt_lens, need_hidden)
-    stats.prefill_s = time.perf_counter() - ts
-    stats.target_s += stats.prefill_s
+    stats, t0 = DecodeStats(), time.perf_counter()
+    state, out, verifier = _start(target, prompts, max_new_tokens, sampling, eos_token_ids, TREE_MARGIN)
+    with _timed(stats, "prefill_s", "target_s"):
+        logits, prompt_hidden = target.prefill(state.padded(), state.seq_lens, drafter.needs_hidden)
     stats.target_calls += 1
     first = verifier.first_token(logits)
-    state.seq[rows, state.seq_lens] = first
-    state.seq_lens += 1
-    state.seq_lens_host = [n + 1 for n in state.seq_lens_host]
-    for r, tok in enumerate(first.tolist()):
-        out.add(r, [tok])
-
-    td = time.perf_counter()
-    drafter.begin(state)
-    policy.begin(b)
-    if need_hidden:
-        drafter.add_hidden(prompt_hidden, prompt_lens)
-    stats.draft_s += time.perf_counter() - td
-    target_len = [n - 1 for n in state.seq_lens_host]
+    state.append(first)
+    out.add_each(first.tolist())
+    with _timed(stats, "draft_s"):
+        drafter.begin(state)
+        policy.begin(len(prompts))
+        if drafter.needs_hidden:
+            drafter.add_hidden(prompt_hidden, state.seq_lens - 1)
     while not all(out.done):
-        td = time.perf_counter()
-        budget = policy.budget(out.left())
-        tree = drafter.propose(state, budget)
-        if tree.accept is not None and budget.cost is not None:
-            tree = prune(tree, budget.cost)
-        tree.build_mask()
-        stats.draft_s += time.perf_counter() - td
-
-        ts = time.perf_counter()
-        logits, hidden = target.forward_tree(tree, need_hidden)
-        forward_s = time.perf_counter() - ts
-        stats.target_s += forward_s
-        stats.target_calls += 1
-        policy.observe_step(tree.size, forward_s)
-
-        verdict = verifier.verify(tree, logits)
-        path, path_len, nxt = verdict.path, verdict.path_len, verdict.next_token
-        active = torch.tensor([not d for d in out.done], device=target.device)
-        path_len = torch.where(active, path_len, 0)  # finished rows stand still
-        # Tokens this step emits per row: the accepted drafts, then the next token.
-        emitted = tree.tokens.gather(1, path.clamp(min=0))[:, 1:]
-        emitted = torch.cat([emitted, nxt[:, None]], dim=1)
-        emitted.scatter_(1, (path_len.long() - 1).clamp(min=0)[:, None], nxt[:, None])
-        host = torch.cat([path_len[:, None].long(), tree.num_drafted[:, None], emitted], dim=1).tolist()
-        lens = [h[0] for h in host]
-
-        new_target_len = [t + n for t, n in zip(target_len, lens)]
-        target.commit(path, path_len, tree.is_chain, max(new_target_len))
-        target_len = new_target_len
-        width = emitted.shape[1]
-        pos = state.seq_lens[:, None] + torch.arange(width, device=target.device)
-        keep = torch.arange(width, device=target.device)[None] < path_len[:, None]
-        state.seq.scatter_(1, torch.where(keep, pos, 0), torch.where(keep, emitted, state.seq[:, :1]))
-        state.seq_lens += path_len.long()
-        state.seq_lens_host = [s + n for s, n in zip(state.seq_lens_host, lens)]
-
-        stats.steps += 1
-        rows_active = [r for r in range(b) if not out.done[r]]
-        policy.update([host[r][1] for r in rows_active], [host[r][0] - 1 for r in rows_active], rows_active)
-        for r in rows_active:
-            n, drafted = host[r][0], host[r][1]
-            stats.drafted_tokens += drafted
-            stats.accepted_tokens += n - 1
-            stats.accept_lengths.append(n - 1)
-            out.add(r, host[r][2: 2 + n])
-        td = time.perf_counter()
-        if need_hidden:
-            drafter.add_hidden(hidden.gather(1, path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])), path_len)
-        drafter.update(state, tree, path, lens, [h[1] for h in host])
-        stats.draft_s += time.perf_counter() - td
+        with _timed(stats, "draft_s"):
+            budget = policy.budget(out.left())
+            tree = drafter.propose(state, budget)
+            if tree.accept is not None and budget.cost is not None:
+                tree = prune(tree, budget.cost)
+            tree.build_mask()
+        with _timed(stats, "target_s") as seconds:
+            logits, hidden = target.forward_tree(tree, drafter.needs_hidden)
+        policy.observe_step(tree.size, seconds[0])
+        step = StepOutcome.of(tree, verifier.verify(tree, logits), [not d for d in out.done])
+        target.commit(step.path, step.path_len, tree.is_chain, step.lengths)
+        state.advance(step)
+        active = [r for r, n in enumerate(step.lengths) if n > 0]
+        policy.update([step.drafted[r] for r in active], [step.lengths[r] - 1 for r in active], active)
+        stats.record(step, active)
+        for r in active:
+            out.add(r, step.tokens[r])
+        with _timed(stats, "draft_s"):
+            if drafter.needs_hidden:
+                drafter.add_hidden(hidden.gather(1, step.path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])),
+                                   step.path_len)
+            drafter.update(state, tree, step.path, step.lengths, step.drafted)
     stats.draft_calls = drafter.draft_calls
     stats.drafter = drafter.summary()
     stats.total_s = time.perf_counter() - t0
@@ -203,36 +211,24 @@ def autoregressive_generate(
     eos_token_ids: set[int] | None = None,
 ) -> DecodeResult:
     """One token per target forward, on the same runner and sampler as the speculative loop."""
-    t0 = time.perf_counter()
-    stats = DecodeStats()
-    state, prompt_lens = _prepare(prompts, max_new_tokens, 1, target.device)
-    _check_capacity(target, max(state.seq_lens_host) + max_new_tokens)
-    b = len(prompts)
-    target.reset(b, state.seq.shape[1])
-    verifier = Verifier(sampling, target.device)
-    out = _Outputs(b, max_new_tokens, eos_token_ids or set())
-    ts = time.perf_counter()
-    logits, _ = target.prefill(state.seq[:, : max(state.seq_lens_host)], prompt_lens)
-    stats.prefill_s = time.perf_counter() - ts
-    stats.target_s += stats.prefill_s
+    stats, t0 = DecodeStats(), time.perf_counter()
+    state, out, verifier = _start(target, prompts, max_new_tokens, sampling, eos_token_ids, 0)
+    with _timed(stats, "prefill_s", "target_s"):
+        logits, _ = target.prefill(state.padded(), state.seq_lens)
     stats.target_calls += 1
-    ones = torch.ones(b, dtype=torch.int64, device=target.device)
-    zero_path = torch.zeros(b, 1, dtype=torch.int64, device=target.device)
-    write_pos = max(state.seq_lens_host)
+    b = len(prompts)
+    ones, zero_path = torch.ones(b, dtype=torch.int64, device=target.device), torch.zeros(b, 1, dtype=torch.int64,
+                                                                                        device=target.device)
     while True:
         tok = verifier.first_token(logits)
-        for r, t in enumerate(tok.tolist()):
-            if not out.done[r]:
-                out.add(r, [t])
+        out.add_each(tok.tolist())
         if all(out.done):
             break
-        ts = time.perf_counter()
-        logits, _ = target.forward_tree(DraftTree.chain(tok))
-        stats.target_s += time.perf_counter() - ts
+        with _timed(stats, "target_s"):
+            logits, _ = target.forward_tree(DraftTree.chain(tok))
         stats.target_calls += 1
         stats.steps += 1
-        write_pos += 1
-        target.commit(zero_path, ones, True, write_pos)
+        target.commit(zero_path, ones, True, [1] * b)
         logits = logits[:, 0]
     stats.total_s = time.perf_counter() - t0
     return DecodeResult(out.tokens, stats)

@@ -165,7 +165,8 @@ class PreallocatedCache(Cache):
         self.capacity = capacity
         with torch.inference_mode():  # as every tensor of a forward is (one kind: see ModelRunner._run)
             self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        self.write_pos = 0  # host mirror of max(lengths): where the next forward writes
+        self.lengths_host = [0] * batch_size  # host mirror of lengths (the runner keeps both)
+        self.write_pos = 0  # max(lengths_host): where the next forward writes
         self.pool = pool
 
     def allocate(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +211,10 @@ def _inference(x: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """Runs a causal LM over draft trees with a preallocated cache.
 
-    State: ``lengths [B]`` committed KV per row. The caller keeps the tokens; the runner keeps KV.
+    State: ``lengths [B]`` committed KV per row, on the device and mirrored on the host
+    (:attr:`lengths_host`), and the write position ``max(lengths)``: the runner is their only owner, so
+    callers hand it what a step accepted and never track lengths of their own. The caller keeps the
+    tokens; the runner keeps KV.
     """
 
     def __init__(self, model: PreTrainedModel, attention: str | None = None, compile: bool = False):
@@ -278,7 +282,17 @@ class ModelRunner:
 
     @property
     def lengths(self) -> torch.Tensor:
+        """``[B] int64`` committed KV per row (device)."""
         return self.cache.lengths
+
+    @property
+    def lengths_host(self) -> list[int]:
+        """Committed KV per row, on the host (no device sync)."""
+        return self.cache.lengths_host
+
+    def _set_lengths_host(self, lengths: list[int]) -> None:
+        self.cache.lengths_host = lengths
+        self.cache.write_pos = max(lengths, default=0)
 
     def _run(self, input_ids, positions, tree_mask, logits_to_keep=0, return_hidden=False, extra_inputs=None,
              compiled=False):
@@ -330,7 +344,7 @@ class ModelRunner:
             positions = torch.arange(l, device=self.device).expand(b, l)
             logits, hidden = self._run(input_ids, positions, None, logits_to_keep=1, return_hidden=return_hidden)
             self.cache.lengths.copy_(prompt_lens)
-            self.cache.write_pos = l
+            self._set_lengths_host(lens)
             return logits[:, -1], hidden
         # Ragged rows: logits are wanted at a different column per row. Encode all but each row's
         # last token (logits of one column only), then the last tokens as one-node trees.
@@ -340,12 +354,12 @@ class ModelRunner:
             positions = torch.arange(head, device=self.device).expand(b, head)
             _, hidden = self._run(input_ids[:, :head], positions, None, logits_to_keep=1, return_hidden=return_hidden)
         self.cache.lengths.copy_(prompt_lens - 1)
-        self.cache.write_pos = head
+        self._set_lengths_host([n - 1 for n in lens])
         rows = torch.arange(b, device=self.device)
         last_tokens = DraftTree.chain(input_ids[rows, prompt_lens - 1])
         logits, last_hidden = self.forward_tree(last_tokens, return_hidden)
-        self.commit(torch.zeros(b, 1, dtype=torch.int64, device=self.device), torch.ones_like(prompt_lens),
-                    True, max(lens))
+        self.commit(torch.zeros(b, 1, dtype=torch.int64, device=self.device), torch.ones_like(prompt_lens), True,
+                    [1] * b)
         if return_hidden:
             full = last_hidden.new_zeros(b, l, last_hidden.shape[-1])
             if hidden is not None:
@@ -368,15 +382,17 @@ class ModelRunner:
                          compiled=True)
 
     @torch.inference_mode()
-    def commit(self, path: torch.Tensor, path_len: torch.Tensor, is_chain: bool, new_write_pos: int) -> None:
+    def commit(self, path: torch.Tensor, path_len: torch.Tensor, is_chain: bool,
+               counts: list[int] | None = None) -> None:
         """Keep the accepted nodes' KV. path: ``[B,T]`` node indices (-1 padded); path_len: ``[B]``.
 
-        ``new_write_pos`` is ``max(lengths + path_len)``, which the caller already has on the host.
+        ``counts``: ``path_len`` on the host, which callers usually have already (else it is read back).
         Where every row's committed KV ends at ``write_pos`` (one row, or batch rows of equal length) and
         the accepted path is nodes ``0, 1, 2, ...`` (a chain, or a tree's first branch: trees number
         their first chain first), the accepted KV is already in place and nothing moves.
         """
-        rows_aligned = self.batch_size == 1 or bool((self.cache.lengths == self.cache.write_pos).all())
+        counts = path_len.tolist() if counts is None else counts
+        rows_aligned = all(n == self.cache.write_pos for n in self.cache.lengths_host)
         in_place = rows_aligned and is_chain
         if rows_aligned and not is_chain:
             ar = torch.arange(path.shape[1], device=path.device)
@@ -385,10 +401,11 @@ class ModelRunner:
             src = self.cache.write_pos + path.clamp(min=0)
             kernels.kv_compact(self.cache.buffers(), src, self.cache.lengths, path_len.long())
         self.cache.lengths += path_len.long()
-        self.cache.write_pos = new_write_pos
+        self._set_lengths_host([n + c for n, c in zip(self.cache.lengths_host, counts)])
 
     @torch.inference_mode()
-    def rollback(self, lengths: torch.Tensor, write_pos: int) -> None:
-        """Forget KV past ``lengths [B]`` (no data moves). ``write_pos`` = ``max(lengths)``."""
-        self.cache.lengths.copy_(torch.minimum(self.cache.lengths, lengths))
-        self.cache.write_pos = write_pos
+    def rollback(self, lengths: list[int]) -> None:
+        """Forget KV past ``lengths`` (host ints, one per row; no data moves)."""
+        kept = [min(n, m) for n, m in zip(self.cache.lengths_host, lengths)]
+        self.cache.lengths.copy_(torch.tensor(kept, dtype=torch.int64))
+        self._set_lengths_host(kept)

@@ -124,7 +124,7 @@ class VerifyResult:
         drafts = tree.tokens.gather(1, self.path.clamp(min=0))[:, 1:]
         width = torch.arange(drafts.shape[1], device=drafts.device)
         drafts = torch.where(width < self.path_len[:, None] - 1, drafts, -1)
-        out = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], dim=1)
+        out = torch.cat([drafts, drafts.new_full((drafts.shape[0], 1), -1)], dim=1)  # drafts may have no column
         return out.scatter(1, (self.path_len.long() - 1)[:, None], self.next_token[:, None])
 
 

@@ -26,7 +26,7 @@ def run_steps(model, attention: str, prompts: list[list[int]]):
     logits, _ = runner.forward_tree(chain)
     out.append(logits)
     path = torch.tensor([[0, 1, -1, -1]] * b)
-    runner.commit(path, torch.full((b,), 2), True, int((runner.lengths + 2).max()))
+    runner.commit(path, torch.full((b,), 2), True, [2] * b)
     tree = DraftTree.from_chains(root, [[[3, 4], [3, 9, 2], [8]] for _ in range(b)])
     logits, _ = runner.forward_tree(tree)
     out.append(logits)

@@ -265,3 +265,12 @@ def test_ends_at_leaf_chain_shortcut_equals_general_tree(seed):
         c = Verifier(cfg, CPU).verify(general, logits[:, :-1], bonus=False)
         assert torch.equal(a.has_next, c.has_next) and torch.equal(a.next_token, c.next_token)
         assert 0 < int(a.has_next.sum()) < b
+
+
+def test_emitted_of_a_lone_root():
+    """A step that drafted nothing (a one-node tree) emits just the next token."""
+    tree = DraftTree.chain(torch.tensor([5, 6]))
+    logits = torch.zeros(2, 1, 11)
+    logits[0, 0, 3] = logits[1, 0, 9] = 1.0
+    res = Verifier(SamplingConfig(), torch.device("cpu")).verify(tree, logits)
+    assert res.emitted(tree).tolist() == [[3], [9]]

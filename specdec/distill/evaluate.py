@@ -35,14 +35,13 @@ def step_times(runner, prompt: list[int], steps: int) -> list[float]:
     runner.reset(1, n + steps + 8)
     ids = torch.tensor([prompt], device=runner.device)
     logits, _ = runner.forward_tree(DraftTree.chain(ids[:, 0], ids[:, 1:]), extra_inputs=extra(n))
-    runner.commit(torch.arange(n, device=runner.device)[None], torch.tensor([n], device=runner.device), True, n)
+    runner.commit(torch.arange(n, device=runner.device)[None], torch.tensor([n], device=runner.device), True, [n])
     tok = logits[:, -1].argmax(-1)
     out = []
     for _ in range(steps):
         t = time.perf_counter()
         logits, _ = runner.forward_tree(DraftTree.chain(tok), feature, extra(1))
-        runner.commit(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), True,
-                      runner.cache.write_pos + 1)
+        runner.commit(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), True, [1])
         out.append(time.perf_counter() - t)
         tok = logits[:, 0].argmax(-1)
     return out

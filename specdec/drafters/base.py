@@ -26,6 +26,36 @@ class DecodeState:
         """``[B]`` the pending root token of each row."""
         return self.seq.gather(1, (self.seq_lens - 1)[:, None]).squeeze(1)
 
+    @classmethod
+    def of(cls, prompts: list[list[int]], capacity: int, device) -> "DecodeState":
+        """Prompts (token id lists, ragged) laid into a ``[B, capacity]`` buffer on ``device``."""
+        seq = torch.zeros(len(prompts), capacity, dtype=torch.int64)
+        for r, p in enumerate(prompts):
+            seq[r, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        lens = [len(p) for p in prompts]
+        return cls(seq.to(device), torch.tensor(lens, device=device), lens)
+
+    def padded(self) -> torch.Tensor:
+        """``[B, max(seq_lens)]`` the tokens so far, right-padded."""
+        return self.seq[:, : max(self.seq_lens_host)]
+
+    def append(self, tokens: torch.Tensor) -> None:
+        """One token per row: ``tokens [B]``."""
+        self.seq[torch.arange(self.seq.shape[0], device=self.seq.device), self.seq_lens] = tokens
+        self.seq_lens += 1
+        self.seq_lens_host = [n + 1 for n in self.seq_lens_host]
+
+    def advance(self, step) -> None:
+        """Append what a verification step emitted: ``step.emitted [B,W]``, ``step.path_len [B]`` tokens of
+        each row (host copy ``step.lengths``)."""
+        width = step.emitted.shape[1]
+        ar = torch.arange(width, device=self.seq.device)
+        keep = ar[None] < step.path_len[:, None]
+        pos = torch.where(keep, self.seq_lens[:, None] + ar, 0)
+        self.seq.scatter_(1, pos, torch.where(keep, step.emitted, self.seq[:, :1]))
+        self.seq_lens += step.path_len
+        self.seq_lens_host = [s + n for s, n in zip(self.seq_lens_host, step.lengths)]
+
 
 class StepCostLike(Protocol):
     """What a drafter may read of the measured target step cost (:class:`specdec.policies.StepCost`)."""

@@ -124,11 +124,11 @@ class DraftModelDrafter(Drafter):
         return [min(seen, total - 1) for seen, total in zip(self._seen, state.seq_lens_host)]
 
     def _commit(self, path, counts, seen):
-        self.runner.commit(path, counts, True, max(seen))
+        self.runner.commit(path, counts, True, [n - m for n, m in zip(seen, self._seen)])
         self._seen = seen
 
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
                drafted: list[int]) -> None:
         keep = self._keep(state)
-        self.runner.rollback(torch.tensor(keep, device=state.seq.device), max(keep))
+        self.runner.rollback(keep)
         self._seen = keep
