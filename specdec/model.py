@@ -122,8 +122,11 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTN_IMPL, specdec_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPL, sdpa_mask)
+def register_attention() -> None:
+    """Make ``"specdec"`` a transformers attention implementation (idempotent). :class:`ModelRunner`
+    calls it; importing this module registers nothing."""
+    AttentionInterface.register(ATTN_IMPL, specdec_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPL, sdpa_mask)
 
 
 class _PreallocatedLayer(CacheLayerMixin):
@@ -228,6 +231,7 @@ class ModelRunner:
         """
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("specdec supports decoder-only models")
+        register_attention()
         if model.config._attn_implementation != ATTN_IMPL:
             model.set_attn_implementation(ATTN_IMPL)
         self.model = model

@@ -35,3 +35,15 @@ def test_drafters_do_not_import_policies_or_the_api():
     loaded = _modules_after("import specdec.drafters, specdec.drafters.feature_draft")
     assert not any(m.startswith(("specdec.policies", "specdec.api", "specdec.methods", "specdec.decoding"))
                    for m in loaded), sorted(m for m in loaded if m.startswith("specdec."))
+
+
+def test_registrations_are_explicit():
+    code = ("from transformers import AttentionInterface, AutoConfig\n"
+            "import specdec.api, specdec.model\n"
+            "assert 'specdec' not in AttentionInterface._global_mapping\n"
+            "try:\n    AutoConfig.for_model('specdec_eagle')\nexcept ValueError:\n    pass\n"
+            "else:\n    raise AssertionError('draft classes registered on import')\n"
+            "from specdec.model import register_attention\n"
+            "register_attention()\n"
+            "assert 'specdec' in AttentionInterface._global_mapping\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
