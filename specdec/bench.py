@@ -102,6 +102,7 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
         order = labels[i % len(labels):] + labels[: i % len(labels)]
         # hf runs first on its prompt only if it rotates there; identity is checked after the loop.
         for m in order:
+            compiled_before = dec.runner.compiled_calls
             t0 = time.perf_counter()
             tokens, stats = _run_one(dec, m, p.ids, max_new_tokens, sampling, options)
             seconds = time.perf_counter() - t0
@@ -109,6 +110,7 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
                 "method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(tokens),
                 "seconds": seconds, "prefill_seconds": stats.prefill_s if stats else None,
                 "target_calls": target_calls.take(), "draft_calls": draft_calls.take(),
+                "compiled_target_calls": dec.runner.compiled_calls - compiled_before,
                 "drafted_tokens": stats.drafted_tokens if stats else None,
                 "accepted_tokens": stats.accepted_tokens if stats else None,
                 "drafter": stats.drafter if stats and stats.drafter else None,
@@ -125,6 +127,13 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
         if sampling.greedy:
             run["identical_to_reference"] = tokens == reference[run["prompt_id"]]
     return {"config": config or {}, "runs": runs, "summary": summarize(runs)}
+
+
+def _path(runs: list[dict]) -> str:
+    """Which forward path a method's target calls took: ``compiled`` (every decode forward through
+    torch.compile), ``eager``, or ``mixed``."""
+    compiled = [r.get("compiled_target_calls", 0) > 0 for r in runs if r["target_calls"] > 1]
+    return "compiled" if compiled and all(compiled) else "mixed" if any(compiled) else "eager"
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -149,6 +158,7 @@ def summarize(runs: list[dict]) -> dict:
             "tokens_per_call": tokens / calls if calls else None,
             "accept_rate": sum(accepted) / sum(drafted) if drafted and sum(drafted) else None,
             "identical_rate": sum(ident) / len(ident) if ident else None,
+            "path": _path(rs),
         }
         if drafter:
             summary[m]["drafter"] = drafter

@@ -17,6 +17,7 @@ def test_run_bench_all_methods_identical_and_counted():
     s = res["summary"]
     assert list(s) == ["hf", "hf-pld", "hf-assisted", "ar", "pld", "sd"]
     assert all(s[m]["identical_rate"] == 1.0 for m in s)
+    assert all(s[m]["path"] == "eager" for m in s)  # the decoder was not compiled
     runs = {(r["method"], r["prompt_id"]): r for r in res["runs"]}
     for p in prompts:
         assert runs[("hf", p.id)]["target_calls"] == runs[("hf", p.id)]["new_tokens"]  # one forward per token

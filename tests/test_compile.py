@@ -78,6 +78,7 @@ def test_bench_counts_compiled_calls(compiled_decoder):
         assert ar["target_calls"] == ar["new_tokens"]  # the eager prefill plus one compiled call per further token
         assert 0 < runs[("ngrammys", p.id)]["target_calls"] <= runs[("ngrammys", p.id)]["new_tokens"]
     assert all(s["identical_rate"] == 1.0 for s in res["summary"].values())
+    assert {m: s["path"] for m, s in res["summary"].items()} == {"hf": "eager", "ar": "compiled", "ngrammys": "compiled"}
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "gpt2"])
