@@ -71,11 +71,11 @@ def prune(tree: DraftTree, cost: StepCost) -> DraftTree:
     """
     if tree.is_chain:
         keep = _chain_sizes(tree.accept.tolist(), tree.num_drafted.tolist(), cost, cost.explore())
-        width = max(1, max(keep))
-        drafts = tree.tokens[:, 1: 1 + width].masked_fill(~tree.valid[:, 1: 1 + width], -1)
-        cut = torch.arange(drafts.shape[1], device=drafts.device)[None] >= torch.tensor(keep, device=drafts.device)[:, None]
-        probs = tree.draft_probs[:, 1: 1 + width] if tree.draft_probs is not None else None
-        return DraftTree.chain(tree.tokens[:, 0], drafts.masked_fill(cut, -1), probs)
+        t = 1 + max(1, max(keep))  # the root and the longest kept chain (one slot at least, as before planning)
+        cut = torch.arange(t, device=tree.tokens.device)[None] > torch.tensor(keep, device=tree.tokens.device)[:, None]
+        probs = tree.draft_probs[:, :t] if tree.draft_probs is not None else None
+        return DraftTree(tree.tokens[:, :t], tree.parents[:, :t], tree.valid[:, :t] & ~cut, tree.depth[:, :t], True,
+                         probs, accept=tree.accept[:, :t])
     keep = best_sizes(tree.accept, tree.valid, cost, cost.explore())
     r = tree.accept.float().masked_fill(~tree.valid, -1.0)
     r[:, 0] = 2.0  # the root first
