@@ -22,7 +22,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec import kernels
+from specdec import kernels, methods
 from specdec.api import SpecDecoder
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig, Verifier, processed_probs
@@ -393,13 +393,18 @@ def e2e_pvalues(dec: SpecDecoder, method: str, config: str, eos: bool, rows: int
     return fit_pvalues(joint_counts(padded(out, E2E_NEW), E2E_VOCAB), exact), drafted, accepted, out
 
 
-@pytest.mark.parametrize("method,config,eos", [
+E2E_CASES = [
     *[(m, c, False) for m in ("ar", "pld", "sd") for c in E2E_CONFIGS],
     ("pld", "temp0.8", True),
     ("sd", "temp0.8", True),
     ("ngrammys", "topk6-topp0.85", False),
     ("ngrammys", "temp0.8", True),
-])
+]
+# Every registered method is covered: one added to the registry gets a case without a test of its own.
+E2E_CASES += [(m, "temp0.8", False) for m in methods.names() if m not in {c[0] for c in E2E_CASES}]
+
+
+@pytest.mark.parametrize("method,config,eos", E2E_CASES)
 def test_generate_sampling_is_lossless(e2e_decoder, method, config, eos):
     """The first four new tokens of ``generate_ids`` follow the target's processed distribution."""
     pvals, drafted, accepted, out = e2e_pvalues(e2e_decoder, method, config, eos)
