@@ -10,12 +10,13 @@ from transformers import PreTrainedModel
 from specdec import methods
 from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate
 from specdec.draft_models import is_feature_draft
-from specdec.hub import DEFAULT_MODEL, load_model, tables_cache_dir
+from specdec.hub import DEFAULT_MODEL, cache_dir, load_model, tables_cache_dir
 from specdec.model import ModelRunner
 from specdec.ngram_corpus import NGramCorpus, shipped_corpus, vocab_fingerprint
 from specdec.ngram_tables import NGramTables, load_tables
 from specdec.policies import StepCost
 from specdec.verify import SamplingConfig
+from specdec.warmup import BackgroundCompile, compile_mode, use_persistent_cache
 
 
 @dataclass
@@ -54,14 +55,20 @@ class SpecDecoder:
     tokenizer's vocabulary, if any), None, a file written by ``specdec ngram-corpus``, or an ``NGramCorpus``. ``draft`` may be a list: the first
     is the default, ``sd``'s ``draft=NAME`` option picks another (loaded ones are ``draft0``, ...). ``linear``: kernel of the linear
     layers of models loaded by name (``auto``, ``packed``, ``skinny``, ``torch``; see :mod:`specdec.linear`); a
-    loaded model is used as given. ``compile``: the runners of target and drafts run their decode forwards
-    through ``torch.compile`` (:class:`ModelRunner`); compiling happens here, before any call is timed.
+    loaded model is used as given. ``compile``: whether the runners of target and drafts run their decode
+    forwards through ``torch.compile`` (:class:`ModelRunner`): ``"auto"`` (the default, from
+    ``$SPECDEC_COMPILE``) decodes eagerly while the graphs compile in the background and switches to
+    them between generations once ready; ``"on"``/``True`` compiles here, before returning;
+    ``"off"``/``False`` stays eager (see :mod:`specdec.warmup`). :meth:`wait_compiled` blocks until ready.
     """
 
     def __init__(self, model: str | PreTrainedModel = DEFAULT_MODEL,
                  draft: str | PreTrainedModel | list | None = None,
                  dtype: str = "fp32", tokenizer=None, device: str = "cpu", linear: str = "auto",
-                 corpus: "str | NGramCorpus | None" = "auto", compile: bool = False):
+                 corpus: "str | NGramCorpus | None" = "auto", compile: bool | str | None = None):
+        mode = compile_mode(compile)
+        if mode != "off":
+            use_persistent_cache(cache_dir() / "inductor")
         if isinstance(model, PreTrainedModel):
             self.model, self.tokenizer = model.eval(), tokenizer
         else:
@@ -80,11 +87,14 @@ class SpecDecoder:
                                  f"{dm.config.hidden_size}, the target's are {width}: it was made for another target")
             if name in self.drafts:
                 raise ValueError(f"draft {name!r} given twice")
-            self.drafts[name] = (dm, ModelRunner(dm, compile=compile))
+            self.drafts[name] = (dm, ModelRunner(dm, compile=mode == "on"))
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
-        self.runner = ModelRunner(self.model, compile=compile)
+        self.runner = ModelRunner(self.model, compile=mode == "on")
         for runner in [self.runner] + [r for _, r in self.drafts.values()]:
             runner.warm_up()
+        models = [self.model] + [m for m, _ in self.drafts.values()]
+        self._compiling = BackgroundCompile(lambda: [ModelRunner(m, compile=True) for m in models]) \
+            if mode == "auto" else None
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None
         self._acceptance: dict = {}  # acceptance tables learned across calls: one model, one workload
@@ -101,6 +111,31 @@ class SpecDecoder:
             if fp is not None and self.tokenizer is not None and fp != vocab_fingerprint(self.tokenizer):
                 raise ValueError("the n-gram corpus was built with another tokenizer's vocabulary")
         self._corpus = corpus  # "auto" is resolved on first use
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decoding runs through the compiled graphs now."""
+        return self.runner.compiled
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """With ``compile="auto"``, wait (up to ``timeout`` seconds) for the background compile and switch
+        to it; returns :attr:`compiled`. Benchmarks call this so that every timed run takes one path."""
+        if self._compiling is not None:
+            self._compiling.wait(timeout)
+            self._use_compiled()
+        return self.compiled
+
+    def _use_compiled(self) -> None:
+        """Switch to the compiled runners if the background compile has finished (between generations)."""
+        if self._compiling is None or not self._compiling.done:
+            return
+        runners, self._compiling = self._compiling.result(), None
+        if runners is None:  # it failed (and said so): stay eager
+            return
+        self.runner, drafts = runners[0], runners[1:]
+        self.drafts = {name: (m, r) for (name, (m, _)), r in zip(self.drafts.items(), drafts)}
+        self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
+        self._step_cost = None  # compiled steps cost less: measure again
 
     def get_draft(self, name: str | None = None) -> tuple[PreTrainedModel, ModelRunner]:
         """The draft model and its runner: the default one, or the one loaded as ``name``."""
@@ -160,6 +195,7 @@ class SpecDecoder:
         ``draft_length="2"``); unknown names and bad values raise ``ValueError``."""
         spec = methods.get(method)
         opts = spec.parse(options)
+        self._use_compiled()
         if spec.needs_draft and self.draft_runner is None:
             raise ValueError(f"method {method!r} needs a draft model (--draft)")
         vocab = self.model.get_output_embeddings().weight.shape[0]

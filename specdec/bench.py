@@ -88,6 +88,7 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
             raise ValueError("hf-assisted cannot drive a feature-conditioned (EAGLE) draft: transformers' assisted "
                              "generation does not hand it the target's hidden states; use sd")
     labels = ["hf"] + [m for m in labels if m != "hf"]
+    dec.wait_compiled()  # compile="auto": every timed run takes one path (the summary's "path" says which)
     target_calls = _CallCounter(dec.model, runners=[dec.runner])
     draft_calls = _CallCounter(*[m for m, _ in dec.drafts.values()], runners=[r for _, r in dec.drafts.values()])
 

@@ -15,6 +15,9 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2L
 
 # Tests build n-gram tables for throwaway models: keep them out of the user's cache.
 os.environ.setdefault("SPECDEC_TABLES_CACHE", tempfile.mkdtemp(prefix="specdec-tables-"))
+# Decoders built in tests stay eager unless a test asks for compiling (a background compile per decoder
+# would only load the CPU); tests/test_warmup.py and tests/test_compile.py cover the compiled paths.
+os.environ.setdefault("SPECDEC_COMPILE", "off")
 
 ARCHS = ("llama", "qwen2", "gemma3", "gpt2")
 

@@ -74,7 +74,10 @@ def prune(tree: DraftTree, cost: StepCost) -> DraftTree:
         t = 1 + max(1, max(keep))  # the root and the longest kept chain (one slot at least, as before planning)
         cut = torch.arange(t, device=tree.tokens.device)[None] > torch.tensor(keep, device=tree.tokens.device)[:, None]
         probs = tree.draft_probs[:, :t] if tree.draft_probs is not None else None
-        return DraftTree(tree.tokens[:, :t], tree.parents[:, :t], tree.valid[:, :t] & ~cut, tree.depth[:, :t], True,
+        # Copies with standard strides: a compiled forward is specialised on its inputs' strides, and a
+        # one-row slice counts as contiguous while keeping its parent's row stride.
+        fresh = lambda x: x[:, :t].clone(memory_format=torch.contiguous_format)  # noqa: E731
+        return DraftTree(fresh(tree.tokens), fresh(tree.parents), tree.valid[:, :t] & ~cut, fresh(tree.depth), True,
                          probs, accept=tree.accept[:, :t])
     keep = best_sizes(tree.accept, tree.valid, cost, cost.explore())
     r = tree.accept.float().masked_fill(~tree.valid, -1.0)
