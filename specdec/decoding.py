@@ -14,7 +14,7 @@ import torch
 
 from specdec.drafters.base import DecodeState, Drafter
 from specdec.model import ModelRunner
-from specdec.policies import StaticLength, prune
+from specdec.policies import StaticLength, cap_nodes, prune
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig, Verifier
 
@@ -183,6 +183,8 @@ def speculative_generate(
             tree = drafter.propose(state, budget)
             if tree.accept is not None and budget.cost is not None:
                 tree = prune(tree, budget.cost)
+            if budget.max_nodes is not None:
+                tree = cap_nodes(tree, budget.max_nodes)
             tree.build_mask()
         with _timed(stats, "target_s") as seconds:
             logits, hidden = target.forward_tree(tree, drafter.needs_hidden)

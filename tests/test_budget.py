@@ -7,7 +7,7 @@ from specdec.api import SpecDecoder, hf_generate
 from specdec.drafters import DraftModelDrafter
 from specdec.drafters.base import Budget, DecodeState, StopRule
 from specdec.model import ModelRunner
-from specdec.policies import HeuristicLength, StepCost, best_sizes, prune
+from specdec.policies import HeuristicLength, StaticLength, StepCost, best_sizes, cap_nodes, prune
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig
 from tests.conftest import tiny_model
@@ -108,3 +108,31 @@ def test_prune_keeps_parents_and_pays_for_cost():
     chain.accept = torch.tensor([[1.0, 0.9, 0.8, 0.1], [1.0, 0.95, 0.0, 0.0]])
     cut = prune(chain, linear)
     assert cut.is_chain and cut.num_drafted.tolist() == [2, 1]
+
+
+def test_node_caps_keep_a_tree_and_stay_lossless():
+    tree = DraftTree.from_parents(torch.tensor([[9, 1, 2, 3, 4]]), torch.tensor([[-1, 0, 1, 0, 3]]))
+    assert cap_nodes(tree, [4]) is tree
+    first = cap_nodes(tree, [2])  # no estimates: the first nodes in order (parents come first)
+    assert first.tokens[0].tolist() == [9, 1, 2]
+    tree.accept = torch.tensor([[1.0, 0.9, 0.2, 0.5, 0.4]])
+    best = cap_nodes(tree, [3])  # by estimate: a (0.9), c (0.5), d (0.4)
+    assert best.tokens[0].tolist() == [9, 1, 3, 4] and best.parents[0].tolist() == [-1, 0, 0, 2]
+    chain = cap_nodes(DraftTree.chain(torch.tensor([5, 6]), torch.tensor([[1, 2, 3], [4, 5, -1]])), [1, 3])
+    assert chain.is_chain and chain.num_drafted.tolist() == [1, 2]
+    target = tiny_model("llama")
+    dec = SpecDecoder(target)
+    prompts = [prompt_of(8, seed=6), prompt_of(20, seed=7)]
+    from specdec.drafters import NGrammysDrafter
+    from specdec.decoding import speculative_generate
+    seen = []
+
+    class Spy(NGrammysDrafter):
+        def update(self, state, tree, path, path_len, drafted):
+            seen.append(max(drafted))
+            super().update(state, tree, path, path_len, drafted)
+
+    out = speculative_generate(dec.runner, Spy(None, k=4, w=3, strategy="context"), prompts, 20, GREEDY, dec.eos,
+                               StaticLength(3, max_nodes=2))
+    assert out.tokens == [hf_generate(target, p, 20, GREEDY) for p in prompts]
+    assert max(seen) <= 2 and max(seen) > 0

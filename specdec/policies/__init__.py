@@ -8,7 +8,7 @@ from specdec.drafters.base import Budget, StopRule
 from specdec.policies.acceptance import AcceptanceModel, NodeAcceptance
 from specdec.policies.cost import StepCost
 from specdec.policies.length import ConfidenceStop, HeuristicLength, StaticLength
-from specdec.policies.planner import best_length, best_sizes, prune
+from specdec.policies.planner import best_length, best_sizes, cap_nodes, prune
 
 __all__ = ["Budget", "StopRule", "StepCost", "AcceptanceModel", "NodeAcceptance", "StaticLength", "HeuristicLength",
-           "ConfidenceStop", "best_length", "best_sizes", "prune"]
+           "ConfidenceStop", "best_length", "best_sizes", "cap_nodes", "prune"]

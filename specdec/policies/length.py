@@ -16,10 +16,13 @@ from specdec.policies.cost import StepCost
 class StaticLength:
     """Always ``k`` tokens deep (or what a row has left to emit)."""
 
-    def __init__(self, k: int, cost: StepCost | None = None, stop: StopRule | None = None):
+    def __init__(self, k: int, cost: StepCost | None = None, stop: StopRule | None = None,
+                 max_nodes: int | None = None):
         if k < 1:
             raise ValueError(f"draft length must be >= 1, got {k}")
-        self.k, self.cost, self.stop = k, cost, stop
+        if max_nodes is not None and max_nodes < 0:
+            raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
+        self.k, self.cost, self.stop, self.max_nodes = k, cost, stop, max_nodes
 
     def begin(self, batch_size: int) -> None:
         """A new generation of ``batch_size`` rows starts."""
@@ -33,8 +36,9 @@ class StaticLength:
     def budget(self, left: list[int]) -> Budget:
         """The budget for rows that may still draft ``left [B]`` tokens (what each may emit, less the
         token verification always adds)."""
-        return Budget([max(0, min(d, n)) for d, n in zip(self.depths(len(left)), left)], cost=self.cost,
-                      stop=self.stop)
+        depth = [max(0, min(d, n)) for d, n in zip(self.depths(len(left)), left)]
+        nodes = None if self.max_nodes is None else [self.max_nodes] * len(left)
+        return Budget(depth, nodes, cost=self.cost, stop=self.stop)
 
     def observe_step(self, tree_size: int, seconds: float) -> None:
         """The measured target forward over a tree of ``tree_size`` nodes."""
@@ -51,8 +55,9 @@ class StaticLength:
 class HeuristicLength(StaticLength):
     """transformers' ``"heuristic"`` schedule, per row: +2 after a fully accepted draft, else -1 (floor 1)."""
 
-    def __init__(self, k: int = 5, max_k: int = 64, cost: StepCost | None = None, stop: StopRule | None = None):
-        super().__init__(k, cost, stop)
+    def __init__(self, k: int = 5, max_k: int = 64, cost: StepCost | None = None, stop: StopRule | None = None,
+                 max_nodes: int | None = None):
+        super().__init__(k, cost, stop, max_nodes)
         self.max_k = max_k
         self._rows: list[int] = []
 

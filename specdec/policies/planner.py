@@ -86,3 +86,24 @@ def prune(tree: DraftTree, cost: StepCost) -> DraftTree:
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
     selected = rank <= torch.tensor(keep, device=rank.device)[:, None]
     return tree.select(selected & tree.valid)[0]
+
+
+def cap_nodes(tree: DraftTree, max_nodes: list[int]) -> DraftTree:
+    """``tree`` with at most ``max_nodes[b]`` draft nodes in row ``b`` (host ints): the most likely ones by
+    ``tree.accept`` when the tree carries estimates, else the first ones in node order (a node's parent
+    precedes it, so any prefix of the nodes is a tree). Returns ``tree`` itself when no row is over."""
+    if all(n >= m for n, m in zip(max_nodes, tree.num_drafted.tolist())):
+        return tree
+    limit = torch.tensor(max_nodes, device=tree.tokens.device)[:, None]
+    if tree.is_chain:
+        cut = torch.arange(tree.size, device=tree.tokens.device)[None] > limit
+        return DraftTree(tree.tokens, tree.parents, tree.valid & ~cut, tree.depth, True, tree.draft_probs,
+                         accept=tree.accept)
+    if tree.accept is None:
+        rank = torch.cumsum(tree.valid.long(), 1) - 1  # the root is rank 0
+    else:
+        r = tree.accept.float().masked_fill(~tree.valid, -1.0)
+        r[:, 0] = 2.0
+        order = r.argsort(dim=1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    return tree.select((rank <= limit) & tree.valid)[0]
