@@ -1,9 +1,11 @@
-// CPU kernel of specdec::tree_attention: T tree queries over a cached prefix and over the tree.
+// CPU kernel of specdec::tree_attention: T tree queries over a cached prefix and over the N >= T pending
+// tree nodes, of which the queries are the last T (N == T: one verification tree; N > T: a tree grown
+// level by level, the earlier levels' KV already cached).
 //
 // Design (the xformers split): per (row b, kv head, block of queries) the G = Hq / Hkv query heads
 // sharing the kv head are stacked into one [G * tb, D] matrix, so every K/V row is read once per
 // group. Keys are visited in chunks: first the prefix [window start, cache_lens[b]), unmasked
-// except for the window's lower edge, then the tree's own T keys under the bit-packed ancestor
+// except for the window's lower edge, then the N pending keys under the bit-packed [T, ceil(N/32)]
 // mask, read word by word. An online softmax (running max, sum and fp32 accumulator per query)
 // merges the chunks, which is the log-sum-exp merge of the two attentions; no dense [T, S + T]
 // mask exists.
@@ -178,11 +180,12 @@ struct Strides {
 
 struct Args {
   int64_t B, Hq, Hkv, G, T, D, W, tb, blocks;
+  int64_t N, off;        // pending keys; query t is pending node off + t (off = N - T)
   const void *q, *kc, *vc, *kt, *vt;
   Strides sq, skc, svc, skt, svt;
   const int64_t* lens;   // [B]
-  const int32_t* mask;   // [B, T, W] or null (causal chain)
-  const int64_t* pos;    // [B, T] or null (no window)
+  const int32_t* mask;   // [B, T, W = ceil(N / 32)] or null (causal chain)
+  const int64_t* pos;    // [B, N] or null (no window)
   int64_t window;        // 0: none
   float scale;
   void* out;             // [B, Hq, T, D] contiguous
@@ -286,21 +289,21 @@ struct Segment {
 SPECDEC_INLINE void mask_prefix(Task& w, const Args& a, int64_t p0, int64_t j0, int64_t n) {
   if (!a.pos) return;
   for (int64_t i = 0; i < w.tb; ++i) {
-    const int64_t hidden = std::min(n, a.pos[w.b * a.T + w.t0 + i] - a.window + 1 - p0);
+    const int64_t hidden = std::min(n, a.pos[w.b * a.N + a.off + w.t0 + i] - a.window + 1 - p0);
     for (int64_t g = 0; hidden > 0 && g < a.G; ++g) std::fill(w.row(g, i) + j0, w.row(g, i) + j0 + hidden, kNegInf);
   }
 }
 
-// Hides tree keys at columns [j0, j0 + n) (tree indices c0..) that are not ancestors (or self) of
-// each query, or out of its window. Columns past j0 + n may be set to -inf (they are padding).
+// Hides pending keys at columns [j0, j0 + n) (pending indices c0..) that each query's mask row does
+// not show, or out of its window. Columns past j0 + n may be set to -inf (they are padding).
 SPECDEC_INLINE void mask_tree(Task& w, const Args& a, int64_t c0, int64_t j0, int64_t n) {
   using namespace simd;
   const int64_t n_pad = round_up(n, kLanes);
-  const int64_t* pos = a.pos ? a.pos + w.b * a.T : nullptr;
+  const int64_t* pos = a.pos ? a.pos + w.b * a.N : nullptr;
   for (int64_t i = 0; i < w.tb; ++i) {
-    const int64_t t = w.t0 + i;
-    if (!a.mask && !pos) {  // causal chain: the keys after t
-      const int64_t from = std::max<int64_t>(0, t + 1 - c0);
+    const int64_t t = w.t0 + i, self = a.off + t;  // query index, its pending index
+    if (!a.mask && !pos) {  // causal chain: the keys after the query's own
+      const int64_t from = std::max<int64_t>(0, self + 1 - c0);
       for (int64_t g = 0; from < n && g < a.G; ++g) std::fill(w.row(g, i) + j0 + from, w.row(g, i) + j0 + n, kNegInf);
       continue;
     }
@@ -309,8 +312,8 @@ SPECDEC_INLINE void mask_tree(Task& w, const Args& a, int64_t c0, int64_t j0, in
     const int32_t* words = a.mask ? a.mask + (w.b * a.T + t) * a.W : nullptr;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t col = c0 + j;
-      bool vis = words ? (static_cast<uint32_t>(words[col >> 5]) >> (col & 31)) & 1u : col <= t;
-      if (pos) vis = vis && pos[col] > pos[t] - a.window;
+      bool vis = words ? (static_cast<uint32_t>(words[col >> 5]) >> (col & 31)) & 1u : col <= self;
+      if (pos) vis = vis && pos[col] > pos[self] - a.window;
       bias[j] = vis ? 0.0f : kNegInf;
     }
     for (int64_t j = n; j < n_pad; ++j) bias[j] = kNegInf;
@@ -366,10 +369,11 @@ SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
   int64_t lo = 0;
   if (a.pos) {
     lo = L;
-    for (int64_t i = 0; i < tb; ++i) lo = std::min(lo, std::max<int64_t>(0, a.pos[b * a.T + t0 + i] - a.window + 1));
+    for (int64_t i = 0; i < tb; ++i)
+      lo = std::min(lo, std::max<int64_t>(0, a.pos[b * a.N + a.off + t0 + i] - a.window + 1));
   }
-  // Tree keys [0, hi), hi one past the last column any query of the block sees.
-  int64_t hi = t0 + tb;
+  // Pending keys [0, hi), hi one past the last column any query of the block sees.
+  int64_t hi = a.off + t0 + tb;
   if (a.mask) {
     hi = 0;
     for (int64_t i = 0; i < tb; ++i) {
@@ -380,7 +384,7 @@ SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
           break;
         }
     }
-    hi = std::min(hi, a.T);
+    hi = std::min(hi, a.N);
   }
   const auto* kc = static_cast<const scalar_t*>(a.kc) + b * a.skc.b + hk * a.skc.h;
   const auto* vc = static_cast<const scalar_t*>(a.vc) + b * a.svc.b + hk * a.svc.h;
@@ -466,10 +470,11 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache_
   TORCH_CHECK(v_cache_in.sizes() == k_cache_in.sizes() && k_cache_in.size(0) == B && k_cache_in.size(3) == D, op,
               "k_cache and v_cache must be [B, Hkv, S, D] = [", B, ", Hkv, S, ", D, "], got ", k_cache_in.sizes(),
               " and ", v_cache_in.sizes());
-  const std::vector<int64_t> tree_shape{B, Hkv, T, D};
-  TORCH_CHECK(k_tree_in.sizes() == tree_shape && v_tree_in.sizes() == tree_shape, op,
-              "k_tree and v_tree must be [B, Hkv, T, D] = ", at::IntArrayRef(tree_shape), ", got ", k_tree_in.sizes(),
-              " and ", v_tree_in.sizes());
+  const int64_t N = k_tree_in.size(2);
+  const std::vector<int64_t> tree_shape{B, Hkv, N, D};
+  TORCH_CHECK(N >= T && k_tree_in.sizes() == tree_shape && v_tree_in.sizes() == tree_shape, op,
+              "k_tree and v_tree must be [B, Hkv, N, D] = [", B, ", ", Hkv, ", N, ", D, "] with N >= T = ", T,
+              ", got ", k_tree_in.sizes(), " and ", v_tree_in.sizes());
   TORCH_CHECK(cache_lens.dim() == 1 && cache_lens.size(0) == B && cache_lens.device().is_cpu() &&
                   (cache_lens.scalar_type() == at::kLong || cache_lens.scalar_type() == at::kInt),
               op, "cache_lens must be a [B] int32/int64 CPU tensor, got ", cache_lens.scalar_type(), " of shape ",
@@ -479,13 +484,13 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache_
     const int64_t len = lens.const_data_ptr<int64_t>()[b];
     TORCH_CHECK(0 <= len && len <= S, op, "cache_lens[", b, "] = ", len, " is outside [0, S = ", S, "]");
   }
-  const int64_t W = (T + 31) / 32;
+  const int64_t W = (N + 31) / 32;
   at::Tensor mask;
   if (tree_mask.has_value()) {
     mask = tree_mask->contiguous();
     TORCH_CHECK(mask.scalar_type() == at::kInt && mask.dim() == 3 && mask.size(0) == B && mask.size(1) == T &&
                     mask.size(2) == W && mask.device().is_cpu(),
-                op, "tree_mask must be a [B, T, ceil(T/32)] = [", B, ", ", T, ", ", W, "] int32 CPU tensor, got ",
+                op, "tree_mask must be a [B, T, ceil(N/32)] = [", B, ", ", T, ", ", W, "] int32 CPU tensor, got ",
                 mask.scalar_type(), " of shape ", mask.sizes());
   }
   at::Tensor pos;
@@ -493,8 +498,8 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache_
     TORCH_CHECK(*window >= 1, op, "window must be >= 1, got ", *window);
     TORCH_CHECK(tree_positions.has_value(), op, "tree_positions are required with a sliding window");
     pos = tree_positions->to(at::kLong).contiguous();
-    TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == T && pos.device().is_cpu(), op,
-                "tree_positions must be [B, T] = [", B, ", ", T, "], got shape ", pos.sizes());
+    TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == N && pos.device().is_cpu(), op,
+                "tree_positions must be [B, N] = [", B, ", ", N, "], got shape ", pos.sizes());
   }
   auto out = at::empty({B, Hq, T, D}, q_in.options());
   if (out.numel() == 0) return out;
@@ -502,7 +507,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache_
   const auto kt = last_dim_contiguous(k_tree_in), vt = last_dim_contiguous(v_tree_in);
 
   Args a{};
-  a.B = B, a.Hq = Hq, a.Hkv = Hkv, a.G = Hq / Hkv, a.T = T, a.D = D, a.W = W;
+  a.B = B, a.Hq = Hq, a.Hkv = Hkv, a.G = Hq / Hkv, a.T = T, a.D = D, a.W = W, a.N = N, a.off = N - T;
   const int64_t blocks = query_blocks(B * Hkv, a.G, T, at::get_num_threads());
   a.tb = (T + blocks - 1) / blocks;
   a.blocks = (T + a.tb - 1) / a.tb;

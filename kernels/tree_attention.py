@@ -1,9 +1,12 @@
-"""Tree attention: ``T`` tree queries over a cached prefix plus the tree block (packed ancestor mask).
+"""Tree attention: ``T`` tree queries over a cached prefix plus ``N >= T`` pending tree nodes (packed mask).
+
+The queries are the last ``T`` of the pending nodes: ``N == T`` is one verification tree, ``N > T`` a tree
+grown level by level whose earlier levels' KV is already cached (a rectangular ``[T, ceil(N/32)]`` mask).
 
 Flash-style online softmax. One program handles a tile of ``BLOCK_M`` (query head, tree node)
 rows that share one KV head, so every K/V tile is loaded once for all ``Hq / Hkv`` query heads of
 a GQA group. The prefix needs no mask beyond ``cache_lens`` (and the sliding window); only the
-``T x T`` tree block reads the packed bits. When the grid would leave the GPU idle (few rows, long
+``T x N`` pending block reads the packed bits. When the grid would leave the GPU idle (few rows, long
 prefix) the prefix is split over several programs whose partial results are merged by their
 log-sum-exp afterwards (split-K / flash-decoding; the xformers prefix/suffix merge).
 
@@ -51,7 +54,7 @@ def _tree_attention_kernel(
     sm_b, sm_t, sm_w,
     sp_b, sp_t,
     so_b, so_h, so_t, so_d,
-    B, HQ, T, S, D, chunk, window, qk_scale,
+    B, HQ, T, N, S, D, chunk, window, qk_scale,
     RATIO: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr,
 ):
@@ -67,13 +70,14 @@ def _tree_attention_kernel(
     row_ok = r < RATIO * T
     h = hkv * RATIO + r // T
     i = r % T
+    node = i + (N - T)  # the query's own index among the pending nodes
     d = tl.arange(0, HEAD_D)  # HEAD_D: D rounded up to a power of two; padded columns are zeros
     d_ok = d < D
 
     q = tl.load(Q + b * sq_b + h[:, None] * sq_h + i[:, None] * sq_t + d[None, :] * sq_d,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if HAS_WINDOW:
-        qpos = tl.load(POS + b * sp_b + i * sp_t, mask=row_ok, other=0).to(tl.int32)
+        qpos = tl.load(POS + b * sp_b + node * sp_t, mask=row_ok, other=0).to(tl.int32)
         lowest = tl.where(row_ok, qpos - window, 2**31 - 1)  # a key at position p is visible iff p > qpos - window
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -100,13 +104,13 @@ def _tree_attention_kernel(
             vis = vis & (kpos[None, :] > lowest[:, None])
         m_i, l_i, acc = _online_update(q, k_t, v, vis, m_i, l_i, acc, qk_scale, F32_DOT)
 
-    # Tree block: the last split also owns the T tree keys, masked by the ancestor bits.
+    # Pending block: the last split also owns the N pending keys, masked by the packed bits.
     if split == NUM_SPLITS - 1:
         kt_base = KT + b * skt_b + hkv * skt_h
         vt_base = VT + b * svt_b + hkv * svt_h
-        for jstart in range(0, T, BLOCK_N):
+        for jstart in range(0, N, BLOCK_N):
             j = jstart + tl.arange(0, BLOCK_N)
-            jmask = j < T
+            jmask = j < N
             k_t = tl.load(kt_base + j[None, :] * skt_t + d[:, None] * skt_d, mask=jmask[None, :] & d_ok[:, None],
                           other=0.0)
             v = tl.load(vt_base + j[:, None] * svt_t + d[None, :] * svt_d, mask=jmask[:, None] & d_ok[None, :],
@@ -116,7 +120,7 @@ def _tree_attention_kernel(
                 word = tl.load(MASK + b * sm_b + i[:, None] * sm_t + (j // 32)[None, :] * sm_w, mask=both, other=0)
                 vis = both & (((word >> (j % 32)[None, :]) & 1) != 0)
             else:
-                vis = both & (j[None, :] <= i[:, None])
+                vis = both & (j[None, :] <= node[:, None])
             if HAS_WINDOW:
                 kpos = tl.load(POS + b * sp_b + j * sp_t, mask=jmask, other=0).to(tl.int32)
                 vis = vis & (kpos[None, :] > lowest[:, None])
@@ -191,16 +195,18 @@ def tree_attention(
     window: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Attention of ``T`` tree tokens over a cached prefix and their own ancestors (Triton).
+    """Attention of ``T`` tree tokens over a cached prefix and the pending nodes they see (Triton).
 
     Args:
-        q: ``[B, Hq, T, D]`` fp32/fp16/bf16 (any ``D``; tiles are padded to a power of two >= 16).
+        q: ``[B, Hq, T, D]`` fp32/fp16/bf16 (any ``D``; tiles are padded to a power of two >= 16); query
+            ``i`` is pending node ``N - T + i``.
         k_cache, v_cache: ``[B, Hkv, S, D]``, same dtype as ``q``; row ``b`` valid up to ``cache_lens[b]``.
         cache_lens: ``[B]`` int32/int64 (values above ``S`` are clamped to ``S``).
-        k_tree, v_tree: ``[B, Hkv, T, D]``.
-        tree_mask: ``[B, T, ceil(T/32)]`` int32 packed ancestor-or-self mask, or None (causal chain).
+        k_tree, v_tree: ``[B, Hkv, N, D]``, ``N >= T`` pending nodes, the queries last.
+        tree_mask: ``[B, T, ceil(N/32)]`` int32 packed mask (bit ``j`` of row ``i``: query ``i`` sees pending
+            node ``j``), or None (causal chain: query ``i`` sees pending nodes ``j <= N - T + i``).
         scale: softmax scale, default ``D ** -0.5``.
-        tree_positions: ``[B, T]`` int absolute positions of the tree tokens (required with ``window``).
+        tree_positions: ``[B, N]`` int absolute positions of the pending nodes (required with ``window``).
         window: sliding window: a query at position ``p`` sees keys at positions ``> p - window``.
         num_splits: split the prefix over this many programs per tile (default: a heuristic; tests
             force it to exercise the merge).
@@ -208,7 +214,9 @@ def tree_attention(
         ``[B, Hq, T, D]``, dtype of ``q``. Rows that see no key are zeros.
     """
     b, hq, t, dim = q.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    hkv, s, n = k_cache.shape[1], k_cache.shape[2], k_tree.shape[2]
+    if n < t:
+        raise ValueError(f"k_tree must hold N >= T = {t} pending nodes, got {n}")
     if hq % hkv:
         raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -243,7 +251,7 @@ def tree_attention(
         q, k_cache, v_cache, cache_lens, k_tree, v_tree, mask, pos, out, o_part, lse_part,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *k_tree.stride(), *v_tree.stride(),
         *mask_strides, *pos_strides, *out.stride(),
-        b, hq, t, s, dim, chunk, 0 if window is None else int(window), float(scale) * LOG2E,
+        b, hq, t, n, s, dim, chunk, 0 if window is None else int(window), float(scale) * LOG2E,
         RATIO=ratio, HEAD_D=head_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_MASK=tree_mask is not None, HAS_WINDOW=window is not None, NUM_SPLITS=splits,
         F32_DOT=_f32_dot(q.dtype),

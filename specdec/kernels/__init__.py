@@ -6,7 +6,8 @@ torch references in :mod:`specdec.kernels.reference` are the specification.
 
 Operators:
 
-- :func:`tree_attention`: tree queries over a cached prefix plus the tree (packed ancestor mask).
+- :func:`tree_attention`: tree queries over a cached prefix plus the tree (packed ancestor mask), or plus
+  a pending region of uncommitted draft nodes of which the queries are the newest (rectangular mask).
 - :func:`ngram_match`: batched context n-gram matching, all n at once.
 - :func:`topk_entropy`: top-k probabilities and entropy of a softmax, one pass over V.
 - :func:`kv_compact`: in-place KV-cache compaction of accepted tokens, all layers in one call.
@@ -65,25 +66,38 @@ def tree_attention(
     window: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Attention of ``T`` tree tokens over a cached prefix and over their own ancestors.
+    """Attention of ``T`` tree tokens over a cached prefix and over the pending nodes they descend from.
+
+    The tree operands hold ``N >= T`` pending (uncommitted) nodes, and the queries are the last ``T``
+    of them: ``N == T`` is one verification tree (a square mask); ``N > T`` is a tree grown level by
+    level, where earlier levels' KV is already in the cache and only the new frontier is computed.
 
     Args:
-        q: ``[B, Hq, T, D]`` queries (fp32/fp16/bf16).
+        q: ``[B, Hq, T, D]`` queries (fp32/fp16/bf16); query ``i`` is pending node ``N - T + i``.
         k_cache, v_cache: ``[B, Hkv, S, D]`` cached keys/values; row ``b`` is valid up to ``cache_lens[b]``.
         cache_lens: ``[B]`` int32/int64, ``<= S``.
-        k_tree, v_tree: ``[B, Hkv, T, D]`` keys/values of the tree tokens.
-        tree_mask: ``[B, T, ceil(T/32)]`` int32 packed ancestor mask (bit ``j`` of row ``i``: node ``i``
-            sees node ``j``; every node sees itself), or ``None`` for a causal chain.
+        k_tree, v_tree: ``[B, Hkv, N, D]`` keys/values of the pending nodes, ``N >= T``, the queries' own last.
+        tree_mask: ``[B, T, ceil(N/32)]`` int32 packed mask: bit ``j`` of row ``i`` set iff query ``i`` sees
+            pending node ``j`` (itself and its ancestors, for a tree); or ``None`` for a causal chain
+            (query ``i`` sees pending nodes ``j <= N - T + i``). A row may have no bit set (a padding
+            query: it sees the prefix only).
         scale: softmax scale, default ``D ** -0.5``.
-        tree_positions: ``[B, T]`` absolute positions of the tree tokens (only with ``window``).
+        tree_positions: ``[B, N]`` int absolute positions of the pending nodes (only with ``window``);
+            query ``i`` is at ``tree_positions[:, N - T + i]``.
         window: sliding-window size (a query at position ``p`` sees keys at positions ``> p - window``).
     Returns:
-        ``[B, Hq, T, D]``, same dtype as ``q``.
+        ``[B, Hq, T, D]``, same dtype as ``q``. A query that sees no key at all gets zeros (never NaN).
     """
     _check(q.dim() == 4 and k_cache.dim() == 4 and k_tree.dim() == 4, "q, k_cache, k_tree must be 4-D")
     _check(q.shape[1] % k_cache.shape[1] == 0, f"Hq={q.shape[1]} is not a multiple of Hkv={k_cache.shape[1]}")
-    _check(k_tree.shape[2] == q.shape[2], "k_tree must have T positions")
+    b, t, n = q.shape[0], q.shape[2], k_tree.shape[2]
+    if n < t:
+        raise ValueError(f"k_tree must hold N >= T = {t} pending nodes, got {n}")
+    if tree_mask is not None and tuple(tree_mask.shape) != (b, t, (n + 31) // 32):
+        raise ValueError(f"tree_mask must be [B, T, ceil(N/32)] = [{b}, {t}, {(n + 31) // 32}], got {list(tree_mask.shape)}")
     _check(window is None or tree_positions is not None, "tree_positions are required with a sliding window")
+    if window is not None and tuple(tree_positions.shape) != (b, n):
+        raise ValueError(f"tree_positions must be [B, N] = [{b}, {n}], got {list(tree_positions.shape)}")
     triton = q.dtype in (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernel covers
     route = choose("tree_attention", q.device, backend, ("cpu",), triton=triton)
     if route == "native":

@@ -56,7 +56,8 @@ def _tree_attention_fake(
     tree_positions: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """``[B, Hq, T, D]`` (contiguous), the dtype of ``q``."""
+    """``[B, Hq, T, D]`` (contiguous), the dtype of ``q``: one row per query, whatever the number ``N >= T``
+    of pending nodes in ``k_tree``."""
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

@@ -49,27 +49,32 @@ def tree_attention_mask(
     t: int,
     tree_positions: torch.Tensor | None = None,
     window: int | None = None,
+    n: int | None = None,
 ) -> torch.Tensor:
-    """Dense boolean visibility mask over ``[prefix | tree]`` keys.
+    """Dense boolean visibility mask of ``T`` queries over ``[prefix | N pending]`` keys.
 
+    The queries are the last ``T`` of the ``N >= T`` pending nodes (``n``, default ``t``: a square tree).
     cache_lens: ``[B] int`` valid prefix length of each row (<= prefix_len);
-    tree_mask: ``[B,T,ceil(T/32)] int32`` packed ancestor mask, or None for a causal chain;
-    tree_positions: ``[B,T] int`` absolute positions of the tree tokens (needed only with ``window``);
+    tree_mask: ``[B,T,ceil(N/32)] int32`` packed mask (bit j of row i: query i sees pending node j), or
+    None for a causal chain (query i sees pending nodes ``j <= N - T + i``);
+    tree_positions: ``[B,N] int`` absolute positions of all pending nodes (needed only with ``window``;
+    query i is at ``tree_positions[:, N - T + i]``);
     window: sliding-window size: a query at position p sees keys at positions > p - window.
-    Returns ``[B,1,T,prefix_len+T] bool`` (True = visible).
+    Returns ``[B,1,T,prefix_len+N] bool`` (True = visible).
     """
+    n = t if n is None else n
     b = cache_lens.shape[0]
     dev = cache_lens.device
     kpos = torch.arange(prefix_len, device=dev)
     prefix_vis = (kpos[None, :] < cache_lens[:, None]).unsqueeze(1).expand(b, t, prefix_len)
     if tree_mask is None:
-        tree_vis = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
+        tree_vis = torch.ones(t, n, dtype=torch.bool, device=dev).tril(n - t).expand(b, t, n)
     else:
-        tree_vis = unpack_mask(tree_mask, t)
+        tree_vis = unpack_mask(tree_mask, n)
     if window is not None:
         if tree_positions is None:
             raise ValueError("tree_positions are required with a sliding window")
-        qpos = tree_positions  # [B,T]
+        qpos = tree_positions[:, n - t:]  # [B,T]
         prefix_vis = prefix_vis & (kpos[None, None, :] > (qpos[:, :, None] - window))
         tree_vis = tree_vis & (tree_positions[:, None, :] > (qpos[:, :, None] - window))
     return torch.cat([prefix_vis, tree_vis], dim=-1).unsqueeze(1)
@@ -87,15 +92,19 @@ def tree_attention(
     tree_positions: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of tree queries over a cached prefix plus the tree itself.
+    """Attention of tree queries over a cached prefix plus the pending (uncommitted) tree nodes.
 
     q: ``[B,Hq,T,D]``; k_cache/v_cache: ``[B,Hkv,S,D]`` of which the first ``cache_lens[b]``
-    positions are valid; k_tree/v_tree: ``[B,Hkv,T,D]``; tree_mask: ``[B,T,ceil(T/32)] int32``
-    packed ancestor mask (bit j of row i set iff node j is node i or one of its ancestors) or None
-    for a causal chain. ``Hq`` must be a multiple of ``Hkv`` (GQA). Returns ``[B,Hq,T,D]``.
+    positions are valid; k_tree/v_tree: ``[B,Hkv,N,D]``, ``N >= T`` pending nodes whose last ``T`` are
+    the queries (``N == T``: the tree itself); tree_mask: ``[B,T,ceil(N/32)] int32`` packed mask (bit j
+    of row i set iff query i sees pending node j: itself and its ancestors) or None for a causal chain
+    (query i sees pending nodes ``j <= N - T + i``); tree_positions: ``[B,N]`` positions of the pending
+    nodes (only with ``window``). ``Hq`` must be a multiple of ``Hkv`` (GQA). A query sees the valid
+    prefix (within its window) plus the pending nodes of its mask row; one that sees no key at all
+    gets zeros. Returns ``[B,Hq,T,D]``.
     """
-    t = q.shape[2]
-    mask = tree_attention_mask(cache_lens, k_cache.shape[2], tree_mask, t, tree_positions, window)
+    t, n = q.shape[2], k_tree.shape[2]
+    mask = tree_attention_mask(cache_lens, k_cache.shape[2], tree_mask, t, tree_positions, window, n)
     k = torch.cat([k_cache, k_tree], dim=2)
     v = torch.cat([v_cache, v_tree], dim=2)
     return torch.nn.functional.scaled_dot_product_attention(
