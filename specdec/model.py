@@ -9,12 +9,19 @@ Layout of the cache, per row ``b``: positions ``[0, lengths[b])`` hold committed
 writes its ``T`` tokens at the common offset ``write_pos = max(lengths)``; :meth:`ModelRunner.commit`
 then moves the accepted nodes to ``lengths[b] ...`` with one KV-compaction call over all layers.
 
+The nodes written past ``write_pos`` and not yet committed form the *pending region* (``N`` nodes). A
+draft model grows a tree in it level by level (:meth:`ModelRunner.forward_pending`): each forward writes
+its ``F`` new frontier nodes after the ``N - F`` already there and attends over the committed prefix
+and over the pending nodes its packed ``[B,F,ceil(N/32)]`` mask shows, without recomputing them;
+:meth:`ModelRunner.commit_pending` then keeps the accepted path with one compaction and drops the rest.
+:meth:`ModelRunner.forward_tree` is the one-forward case (a fresh region of ``N = T`` nodes).
+
 Attention over that layout has two implementations (``ModelRunner(attention=...)``, default from
 ``$SPECDEC_ATTN``): ``"kernel"`` calls :func:`specdec.kernels.tree_attention` with the whole cache
-view ``[0, write_pos + T)`` as the prefix (keys at or past ``lengths[b]`` are never visible there) and
-the tree ``[write_pos, write_pos + T)`` as its own operands, so no dense mask is built; ``"sdpa"``
-builds one dense ``[B,1,T,write_pos+T]`` mask per forward and calls SDPA (the fallback where no
-tree-attention kernel is built).
+view ``[0, write_pos + N)`` as the prefix (keys at or past ``lengths[b]`` are never visible there) and
+the pending region ``[write_pos, write_pos + N)`` as its tree operands, so no dense mask is built;
+``"sdpa"`` builds one dense ``[B,1,T,write_pos+N]`` mask per forward and calls SDPA (the fallback where
+no tree-attention kernel is built).
 """
 from __future__ import annotations
 
@@ -51,8 +58,11 @@ def default_attention(device: torch.device) -> str:
 class TreeAttentionMeta:
     """What the attention function needs for one forward.
 
-    cache_lens: ``[B]`` committed lengths; prefix_len: write offset (keys before it are the prefix);
-    tree_mask: packed ``[B,T,W]`` or None (causal); positions: ``[B,T]`` absolute positions;
+    cache_lens: ``[B]`` committed lengths; prefix_len: start of the pending region, ``write_pos`` (keys
+    before it are the prefix, keys from it on the ``N`` pending nodes, the ``T`` queries last);
+    tree_mask: packed ``[B,T,ceil(N/32)]`` or None (causal); positions: ``[B,T]`` the queries' absolute
+    positions; key_positions: ``[B,N]`` every pending node's position, or None when ``N == T`` (a tree
+    run in one forward: they are ``positions``);
     aligned: every row's committed length equals ``prefix_len`` (known on the host);
     attention: ``"kernel"`` or ``"sdpa"`` (see the module docstring); native: the compiled kernel when
     :func:`specdec.kernels.tree_attention` would dispatch to it, resolved once per forward so that the
@@ -67,11 +77,18 @@ class TreeAttentionMeta:
     aligned: bool = False
     attention: str = "sdpa"
     native: Callable | None = None  # torch.ops.specdec.tree_attention where the dispatcher picks it
+    key_positions: torch.Tensor | None = None
     _dense: dict = field(default_factory=dict)
 
+    @property
+    def pending_positions(self) -> torch.Tensor:
+        """``[B,N]`` positions of every pending node (the queries last)."""
+        return self.positions if self.key_positions is None else self.key_positions
+
     def all_visible(self, window: int | None) -> bool:
-        """One token per row, rows aligned, window not reached: every key is visible."""
-        return self.positions.shape[1] == 1 and self.aligned and (window is None or self.prefix_len < window)
+        """One token per row, nothing else pending, rows aligned, window not reached: every key is visible."""
+        return (self.key_positions is None and self.positions.shape[1] == 1 and self.aligned
+                and (window is None or self.prefix_len < window))
 
     def model_mask(self) -> torch.Tensor | None:
         """The ``attention_mask`` handed to the model: a 4-D mask, which transformers passes through
@@ -82,17 +99,18 @@ class TreeAttentionMeta:
         if self.attention == "sdpa":
             return self.dense(None)
         b, t = self.positions.shape
-        return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.positions.device).expand(b, 1, t, self.prefix_len + t)
+        n = self.pending_positions.shape[1]
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.positions.device).expand(b, 1, t, self.prefix_len + n)
 
     def dense(self, window: int | None) -> torch.Tensor | None:
-        """``[B,1,T,prefix_len+T] bool`` visibility, or None when every key is visible (one token per
+        """``[B,1,T,prefix_len+N] bool`` visibility, or None when every key is visible (one token per
         row, rows aligned, window not reached): SDPA then takes its faster unmasked path."""
         if self.all_visible(window):
             return None
         if window not in self._dense:
-            t = self.positions.shape[1]
+            t, keys = self.positions.shape[1], self.pending_positions
             self._dense[window] = tree_attention_mask(
-                self.cache_lens, self.prefix_len, self.tree_mask, t, self.positions, window)
+                self.cache_lens, self.prefix_len, self.tree_mask, t, keys, window, keys.shape[1])
         return self._dense[window]
 
 
@@ -100,7 +118,7 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
     """Attention function registered as ``"specdec"``: tree attention when a ``specdec_meta`` kwarg
     is present, transformers' SDPA path otherwise (so ``model.generate`` keeps working).
 
-    query: ``[B,Hq,T,D]``; key/value: ``[B,Hkv,prefix_len+T,D]`` (cache view). Returns ``[B,T,Hq,D]``.
+    query: ``[B,Hq,T,D]``; key/value: ``[B,Hkv,prefix_len+N,D]`` (cache view). Returns ``[B,T,Hq,D]``.
     """
     meta: TreeAttentionMeta | None = kwargs.get("specdec_meta")
     if meta is None:
@@ -112,9 +130,10 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
     if meta.attention == "kernel" and (query.device.type == "cpu" or not meta.all_visible(window)):
         p = meta.prefix_len
         # The whole cache view serves as the prefix: keys at or past cache_lens (<= p) are never visible.
+        # The pending region [p, p + N) is the tree operand; the queries are its last T nodes.
         attend = meta.native or kernels.tree_attention
         out = attend(query, key, value, meta.cache_lens, key[:, :, p:], value[:, :, p:], meta.tree_mask, scaling,
-                     meta.positions if window is not None else None, window)
+                     meta.pending_positions if window is not None else None, window)
         return out.transpose(1, 2).contiguous(), None
     mask = meta.dense(window)
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -130,7 +149,7 @@ def register_attention() -> None:
 
 
 class _PreallocatedLayer(CacheLayerMixin):
-    """One layer's keys/values in a ``[B,H,capacity,D]`` buffer, written at the owner's ``write_pos``."""
+    """One layer's keys/values in a ``[B,H,capacity,D]`` buffer, written after the owner's pending region."""
 
     def __init__(self, owner: "PreallocatedCache", layer_idx: int):
         super().__init__()
@@ -144,17 +163,17 @@ class _PreallocatedLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start = self.owner.write_pos
+        start = self.owner.write_pos + self.owner.pending
         end = start + key_states.shape[2]
         self.keys[:, :, start:end].copy_(key_states)
         self.values[:, :, start:end].copy_(value_states)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length):
-        return self.owner.write_pos + query_length, 0
+        return self.owner.write_pos + self.owner.pending + query_length, 0
 
     def get_seq_length(self):
-        return self.owner.write_pos
+        return self.owner.write_pos + self.owner.pending
 
     def get_max_length(self):
         return self.owner.capacity
@@ -169,7 +188,9 @@ class PreallocatedCache(Cache):
         with torch.inference_mode():  # as every tensor of a forward is (one kind: see ModelRunner._run)
             self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.lengths_host = [0] * batch_size  # host mirror of lengths (the runner keeps both)
-        self.write_pos = 0  # max(lengths_host): where the next forward writes
+        self.write_pos = 0  # max(lengths_host): where the pending region starts
+        self.pending = 0  # uncommitted nodes at [write_pos, write_pos + pending); the next forward writes after them
+        self.pending_positions: torch.Tensor | None = None  # [B, pending] their positions
         self.pool = pool
 
     def allocate(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,7 +238,8 @@ class ModelRunner:
     State: ``lengths [B]`` committed KV per row, on the device and mirrored on the host
     (:attr:`lengths_host`), and the write position ``max(lengths)``: the runner is their only owner, so
     callers hand it what a step accepted and never track lengths of their own. The caller keeps the
-    tokens; the runner keeps KV.
+    tokens; the runner keeps KV. Past ``write_pos`` lie :attr:`pending` uncommitted nodes (see the module
+    docstring): those of the last :meth:`forward_tree`, or of a tree grown with :meth:`forward_pending`.
     """
 
     def __init__(self, model: PreTrainedModel, attention: str | None = None, compile: bool = False):
@@ -294,16 +316,24 @@ class ModelRunner:
         """Committed KV per row, on the host (no device sync)."""
         return self.cache.lengths_host
 
+    @property
+    def pending(self) -> int:
+        """Uncommitted nodes written past ``write_pos`` (the pending region's size ``N``)."""
+        return self.cache.pending
+
     def _set_lengths_host(self, lengths: list[int]) -> None:
         self.cache.lengths_host = lengths
         self.cache.write_pos = max(lengths, default=0)
 
     def _run(self, input_ids, positions, tree_mask, logits_to_keep=0, return_hidden=False, extra_inputs=None,
-             compiled=False):
+             compiled=False, key_positions=None):
+        """One forward of ``T`` new nodes, written after the pending region. key_positions: ``[B,N]`` the
+        positions of every pending node, these included, when nodes are already pending (else None)."""
         t = input_ids.shape[1]
-        if self.cache.write_pos + t > self.cache.capacity:
-            raise ValueError(f"{self.cache.write_pos + t} positions exceed the cache capacity {self.cache.capacity}")
-        if t == 1:
+        end = self.cache.write_pos + self.cache.pending + t
+        if end > self.cache.capacity:
+            raise ValueError(f"{end} positions exceed the cache capacity {self.cache.capacity}")
+        if t == 1 and key_positions is None:
             tree_mask = None  # a lone root sees the prefix and itself, as causal attention does
         forward = self.model
         if compiled and self._compiled is not None:
@@ -313,11 +343,12 @@ class ModelRunner:
             # them either way, so they are all made inference tensors here (a copy of a few ints).
             input_ids, positions = _inference(input_ids), _inference(positions)
             tree_mask = None if tree_mask is None else _inference(tree_mask)
+            key_positions = None if key_positions is None else _inference(key_positions)
         native = None
         if self.attention == "kernel" and kernels.choose("tree_attention", self.device, None, ("cpu",), triton=True) == "native":
             native = kernels.native_ops().tree_attention
         meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions, self.batch_size == 1,
-                                 self.attention, native)
+                                 self.attention, native, key_positions)
         out = forward(
             input_ids=input_ids,
             position_ids=positions,
@@ -344,6 +375,7 @@ class ModelRunner:
         if b != self.batch_size:
             raise ValueError(f"prefill of {b} rows on a runner reset for {self.batch_size}")
         lens = prompt_lens.tolist()
+        self.drop_pending()
         if b == 1 or len(set(lens)) == 1:
             positions = torch.arange(l, device=self.device).expand(b, l)
             logits, hidden = self._run(input_ids, positions, None, logits_to_keep=1, return_hidden=return_hidden)
@@ -377,18 +409,78 @@ class ModelRunner:
         """Run the model over a draft tree. Returns logits ``[B,T,V]`` and the last hidden state
         ``[B,T,H]`` (None unless ``return_hidden``).
 
-        The tree's KV is written at ``write_pos``; call :meth:`commit` with the accepted path.
+        The tree's KV is written at ``write_pos`` as a fresh pending region of ``T`` nodes (whatever was
+        pending is dropped first); call :meth:`commit` (or :meth:`commit_pending`) with the accepted path,
+        or grow the tree further with :meth:`forward_pending`.
         ``extra_inputs``: further per-node model inputs, e.g. ``{"target_hidden": [B,T,H]}`` for a
         feature-conditioned draft.
         """
         positions = tree.positions(self.cache.lengths)
-        return self._run(tree.tokens, positions, tree.mask, return_hidden=return_hidden, extra_inputs=extra_inputs,
-                         compiled=True)
+        self.drop_pending()
+        out = self._run(tree.tokens, positions, tree.mask, return_hidden=return_hidden, extra_inputs=extra_inputs,
+                        compiled=True)
+        self.cache.pending, self.cache.pending_positions = tree.size, positions
+        return out
+
+    @torch.inference_mode()
+    def forward_pending(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                        return_hidden: bool = False, extra_inputs: dict | None = None):
+        """Run ``F`` new frontier nodes over the committed prefix and the pending region, then add them to it.
+
+        The ``N - F`` = :attr:`pending` nodes written by earlier forwards of this region are attended over
+        from the cache, not recomputed. Node ``j`` of the region (``j < N``, in the order written) is
+        the new node ``j - (N - F)`` of this call when ``j >= N - F``.
+
+        Args:
+            tokens: ``[B,F]`` int64 token ids of the new nodes.
+            positions: ``[B,F]`` int64 absolute positions (committed length plus depth, as
+                :meth:`DraftTree.positions` gives them).
+            mask: ``[B,F,ceil(N/32)]`` int32 packed: bit ``j`` of row ``i`` set iff new node ``i`` sees
+                pending node ``j`` (its ancestors and itself); or None, a causal chain (new node ``i`` sees
+                every earlier pending node and itself). Every node sees its row's committed prefix. Rows
+                with fewer new nodes pad them (any token and position) and no real node's row sets a
+                padding node's bit; a padding node's own row may be empty (it sees the committed prefix
+                only) or show itself: its logits are meaningless but finite. With ``N == 1`` the node
+                always sees itself.
+            return_hidden: also return the last hidden state.
+            extra_inputs: further per-node model inputs (as in :meth:`forward_tree`).
+        Returns:
+            logits ``[B,F,V]`` and the last hidden state ``[B,F,H]`` (None unless ``return_hidden``).
+        """
+        b, f = tokens.shape
+        n = self.cache.pending + f
+        if mask is not None and tuple(mask.shape) != (b, f, (n + 31) // 32):
+            raise ValueError(f"mask must be [B, F, ceil(N/32)] = [{b}, {f}, {(n + 31) // 32}] with N = {n} "
+                             f"pending nodes, got {list(mask.shape)}")
+        if tuple(positions.shape) != (b, f):
+            raise ValueError(f"positions must be [B, F] = [{b}, {f}], got {list(positions.shape)}")
+        keys = None if self.cache.pending == 0 else torch.cat([self.cache.pending_positions, positions], dim=1)
+        out = self._run(tokens, positions, mask, return_hidden=return_hidden, extra_inputs=extra_inputs,
+                        compiled=True, key_positions=keys)
+        self.cache.pending, self.cache.pending_positions = n, positions if keys is None else keys
+        return out
+
+    @torch.inference_mode()
+    def commit_pending(self, path: torch.Tensor, path_len: torch.Tensor, counts: list[int] | None = None) -> None:
+        """Keep the KV of each row's accepted path through the pending region and drop the rest.
+
+        path: ``[B,P]`` int64 indices into the pending region, ascending (root to leaf), -1 padded;
+        path_len: ``[B]`` int64; counts: ``path_len`` on the host if the caller has it. One
+        KV-compaction call moves the path to ``lengths[b] ...`` (nothing moves where it is in place).
+        """
+        if self.cache.pending == 0:
+            raise ValueError("nothing is pending: run forward_tree or forward_pending first")
+        self.commit(path, path_len, False, counts)
+
+    def drop_pending(self) -> None:
+        """Forget the pending region (no data moves); the committed prefix is untouched."""
+        self.cache.pending, self.cache.pending_positions = 0, None
 
     @torch.inference_mode()
     def commit(self, path: torch.Tensor, path_len: torch.Tensor, is_chain: bool,
                counts: list[int] | None = None) -> None:
-        """Keep the accepted nodes' KV. path: ``[B,T]`` node indices (-1 padded); path_len: ``[B]``.
+        """Keep the accepted nodes' KV. path: ``[B,T]`` node indices into the pending region (-1 padded);
+        path_len: ``[B]``. Whatever else was pending is dropped.
 
         ``counts``: ``path_len`` on the host, which callers usually have already (else it is read back).
         Where every row's committed KV ends at ``write_pos`` (one row, or batch rows of equal length) and
@@ -406,6 +498,7 @@ class ModelRunner:
             kernels.kv_compact(self.cache.buffers(), src, self.cache.lengths, path_len.long())
         self.cache.lengths += path_len.long()
         self._set_lengths_host([n + c for n, c in zip(self.cache.lengths_host, counts)])
+        self.drop_pending()
 
     @torch.inference_mode()
     def rollback(self, lengths: list[int]) -> None:
@@ -413,3 +506,4 @@ class ModelRunner:
         kept = [min(n, m) for n, m in zip(self.cache.lengths_host, lengths)]
         self.cache.lengths.copy_(torch.tensor(kept, dtype=torch.int64))
         self._set_lengths_host(kept)
+        self.drop_pending()
