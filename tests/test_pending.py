@@ -279,6 +279,22 @@ def test_pending_equals_square_rows(backend):
         torch.testing.assert_close(causal, causal_sq[:, :, -t:], atol=1e-6, rtol=1e-6)
 
 
+@needs_native
+def test_native_op_opcheck_and_compile():
+    """The fake kernel and the schema hold for N > T (torch.compile traces the runner's pending forwards)."""
+    case = fixed_case(2, 2, 3, 16, 37, 5, 12, "levels", window=6)
+    q, k_cache, v_cache, lens, k_tree, v_tree, mask, pos = build(case)
+    ops = torch.ops.specdec
+    torch.library.opcheck(ops.tree_attention.default, (q, k_cache, v_cache, lens, k_tree, v_tree, mask, 0.5, pos, 6))
+    torch.library.opcheck(ops.tree_attention.default, (q, k_cache, v_cache, lens, k_tree, v_tree, None))
+
+    def fn(q, k_tree, v_tree):
+        return ops.tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, mask, None, pos, 6) * 2
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, k_tree, v_tree), fn(q, k_tree, v_tree))
+
+
 def test_shape_checks():
     q, kv = torch.zeros(1, 2, 3, 8), torch.zeros(1, 1, 4, 8)
     tree = torch.zeros(1, 1, 40, 8)
