@@ -63,7 +63,7 @@ def plot(result: dict, png: str, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--prompts", default="../shared/data/dev_prompts.jsonl")
+    ap.add_argument("--prompts", default="bench/dev_prompts.jsonl")
     ap.add_argument("--linear", default="auto", help="linear kernel of the target (see specdec bench --linear)")
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)

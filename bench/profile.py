@@ -1,0 +1,506 @@
+"""Profilers of specdec on the CPU: where a decode step's, a forward's and the linear layers' time goes.
+
+    python -m bench.profile SUBCOMMAND [options]      # SUBCOMMAND --help for its options
+
+    step-split     a method's decode time after prefill: target forwards against everything else
+    step-cost      the target's cost of one forward over T tree tokens, c(T), as the runtime calibrates it
+    forward-split  one forward over T tokens split into the linear layers and the rest (--compile: also compiled)
+    model-linears  every linear layer of the model over M rows, alone, through the packed kernel
+    attention      end-to-end A/B of the runner's attention paths: tree-attention kernel against dense-mask SDPA
+    linear         transformers' own generate (hf) on torch's linear layers against specdec's kernels
+
+Each subcommand prints its result and, with ``--json OUT``, writes it as JSON. Decoders are built eager
+(``compile="off"``) unless a subcommand's ``--compile`` says otherwise, so that no background compile shares
+the CPU with a measurement. bench/RESULTS.md gives the command behind every recorded figure.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+DEV_PROMPTS = "bench/dev_prompts.jsonl"
+RAW = argparse.RawDescriptionHelpFormatter
+
+
+# ----------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------
+
+
+def decoder(model: str, dtype: str, compile: str = "off", **kwargs):
+    """A :class:`~specdec.api.SpecDecoder`, eager unless ``compile="on"`` (then compiled before it returns)."""
+    from specdec.api import SpecDecoder
+
+    return SpecDecoder(model, dtype=dtype, compile=compile, **kwargs)
+
+
+def prompts_of(args: argparse.Namespace, dec) -> list:
+    """``--prompts`` read for ``dec``, cut by ``--limit`` and ``--per-category`` where the subcommand has them."""
+    from specdec.prompts import read_prompts
+
+    return read_prompts(args.prompts, dec, getattr(args, "limit", None), getattr(args, "per_category", None))
+
+
+def specdec_linears(model: torch.nn.Module) -> list:
+    """The model's specdec linear layers (``--linear skinny|packed|auto`` swaps them in)."""
+    from specdec.linear import SkinnyLinear
+
+    return [m for m in model.modules() if isinstance(m, SkinnyLinear)]
+
+
+def inputs_by_width(linears: list, lead: tuple[int, ...], dtype: torch.dtype, generator=None) -> dict:
+    """One random input of shape ``lead + (in_features,)`` per input width of ``linears``."""
+    return {k: torch.randn(*lead, k, generator=generator).to(dtype) for k in {m.in_features for m in linears}}
+
+
+def elapsed(fn, *args) -> float:
+    """Seconds one call of ``fn(*args)`` takes."""
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+class Best(dict):
+    """The lowest time seen per key, in seconds, over interleaved rounds (drift spreads over every key)."""
+
+    def keep(self, key, seconds: float) -> None:
+        self[key] = min(self.get(key, math.inf), seconds)
+
+    def ms(self, key) -> float:
+        return self[key] * 1e3
+
+
+@dataclass
+class DecodeTotals:
+    """Decode time after prefill, summed over generations."""
+
+    decode_s: float = 0.0
+    target_s: float = 0.0
+    draft_s: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+
+    def add(self, res) -> list[int]:
+        """Adds one generation's ``res`` (batch of one); returns its tokens."""
+        st = res.stats
+        self.decode_s += st.total_s - st.prefill_s
+        self.target_s += st.target_s - st.prefill_s
+        self.draft_s += st.draft_s
+        self.steps += st.steps
+        self.tokens += len(res.tokens[0])
+        return res.tokens[0]
+
+    def per_step_ms(self, seconds: float) -> float:
+        return 1e3 * seconds / max(1, self.steps)
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def finish(out: dict, path: str | None, show: bool = False) -> None:
+    """Prints ``out`` as JSON when ``show``; writes it to ``path`` when given."""
+    if show:
+        print(json.dumps(out, indent=1))
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def subcommand(subs, name: str, doc: str, dtype: str | None = "bf16", dtype_choices: bool = True):
+    """A subparser with the options every profiler has: ``--model``, ``--json`` and (unless None) ``--dtype``."""
+    p = subs.add_parser(name, help=doc.strip().splitlines()[0], description=doc, formatter_class=RAW)
+    p.add_argument("--model", default="smollm2")
+    if dtype is not None:
+        p.add_argument("--dtype", default=dtype, **({"choices": ["fp32", "bf16", "fp16"]} if dtype_choices else {}))
+    p.add_argument("--json", default=None)
+    return p
+
+
+# ----------------------------------------------------------------------------------------
+# step-split
+# ----------------------------------------------------------------------------------------
+
+STEP_SPLIT = """Where the time of a speculative step goes: target forward against everything else.
+
+Runs a method over prompts and splits the decode time after prefill into the target's forward
+passes and the rest (drafting, verification, cache commit, Python).
+
+    python -m bench.profile step-split --prompts bench/dev_prompts.jsonl --per-category 2 \\
+        --method pld --max-new-tokens 128 --dtype bf16 [--compile on] [--json OUT]
+"""
+
+
+def step_split(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    dec = decoder(args.model, args.dtype, compile=args.compile)
+    prompts = prompts_of(args, dec)
+    dec.generate_ids([prompts[0].ids], args.method, 8)  # warm-up
+    t = DecodeTotals()
+    for p in tqdm(prompts, desc=args.method):
+        t.add(dec.generate_ids([p.ids], args.method, args.max_new_tokens))
+    other = t.decode_s - t.target_s
+    finish({
+        "method": args.method, "dtype": args.dtype, "prompts": len(prompts), "steps": t.steps, "new_tokens": t.tokens,
+        "decode_s": t.decode_s, "target_forward_s": t.target_s, "other_s": other, "other_share": other / t.decode_s,
+        "drafting_s": t.draft_s, "ms_per_step": t.per_step_ms(t.decode_s),
+        "target_ms_per_step": t.per_step_ms(t.target_s), "other_ms_per_step": t.per_step_ms(other),
+    }, args.json, show=True)
+
+
+# ----------------------------------------------------------------------------------------
+# step-cost
+# ----------------------------------------------------------------------------------------
+
+STEP_COST = """The target's measured cost of one forward over T tree tokens, c(T), as the runtime calibrates it.
+
+    python -m bench.profile step-cost --dtype bf16 --dtype fp32
+
+The shape of c(T) decides what speculation can gain on a machine: where verifying T tokens costs about
+one step (a CPU with native bf16 matrix units, a GPU) long drafts and wide trees pay; where it grows
+linearly with T (bf16 on a CPU without bf16 instructions, whose bf16 GEMM for more than one row is a
+slow fallback) no draft pays, and the cost-aware schedules stop drafting.
+"""
+
+
+def step_cost(args: argparse.Namespace) -> None:
+    from specdec.policies import StepCost
+
+    out = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "context": args.context, "linear": args.linear,
+           "ms": {}}
+    for dtype in args.dtype or ["bf16", "fp32"]:
+        dec = decoder(args.model, dtype, compile=args.compile, linear=args.linear)
+        cost = StepCost.calibrate(dec.runner, context=args.context, repeats=args.repeats)
+        out["ms"][dtype] = {t: round(v * 1000, 1) for t, v in cost.table.items()}
+    sizes = sorted({t for row in out["ms"].values() for t in row})
+    print(f"{out['cpu']}, {out['threads']} threads, {args.context}-token context, best of {args.repeats}, ms")
+    print("| T | " + " | ".join(map(str, sizes)) + " |")
+    print("|---|" + "---|" * len(sizes))
+    for dtype, row in out["ms"].items():
+        print(f"| {dtype} | " + " | ".join(f"{row[t]:.1f}" for t in sizes) + " |")
+    finish(out, args.json)
+
+
+# ----------------------------------------------------------------------------------------
+# forward-split
+# ----------------------------------------------------------------------------------------
+
+FORWARD_SPLIT = """Where a verification forward's extra time goes: one target forward over T tree tokens against one token.
+
+    OMP_NUM_THREADS=1 python -m bench.profile forward-split --dtype bf16 --context 400 --sizes 1,6 --json out.json
+
+For each tree size T (a chain of T tokens after a ``--context``-token prompt) this times, best of ``--repeats``
+forwards, the whole forward, the linear layers inside it (forward hooks around every specdec linear) and the
+same linear layers called back to back outside the model. The rest of the forward is attention and the
+model's other ops. Sizes are interleaved round by round, so drift in machine speed spreads over all of them;
+the best of each size over all rounds is reported. What a speculative call costs more than a one-token step is
+what the drafts must pay for: the growth from T = 1, split into its parts.
+
+With ``--compile`` a second runner over the same model runs its forwards through ``torch.compile``
+(:class:`specdec.model.ModelRunner` ``compile=True``), and its whole forward is timed in the same rounds
+(``compiled@T``), next to the eager runner's without hooks (``eager@T``; the ``forward`` column includes the
+hooks' own cost); hooks would break its graph, so it gets no linear/rest split.
+"""
+
+
+def forward_split(args: argparse.Namespace) -> None:
+    from specdec.model import ModelRunner
+    from specdec.tree import DraftTree
+
+    sizes = [int(t) for t in args.sizes.split(",")]
+    runner = decoder(args.model, args.dtype, corpus=None).runner
+    linears = specdec_linears(runner.model)
+    if not linears:
+        raise SystemExit("no specdec linear layers in this model (--linear torch?)")
+    spent = [0.0]
+    started: dict[int, float] = {}
+
+    def pre(module, _):
+        started[id(module)] = time.perf_counter()
+
+    def post(module, _, __):
+        spent[0] += time.perf_counter() - started[id(module)]
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = runner.config.vocab_size
+    prompt = torch.randint(vocab, (1, args.context), generator=gen)
+    compiled = None
+    if args.compile:
+        compiled = ModelRunner(runner.model, compile=True)
+        compiled.warm_up()  # before the hooks: they are not traced into its graphs
+    for r in [runner] + ([compiled] if compiled else []):
+        r.reset(1, args.context + max(sizes) + 1)
+        r.prefill(prompt, torch.tensor([args.context]))
+
+    def add_hooks():
+        return [h for m in linears for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+
+    hooks = add_hooks()
+    best = Best()
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for t in sizes:
+                tree = DraftTree.chain(torch.randint(vocab, (1,), generator=gen),
+                                       torch.randint(vocab, (1, t - 1), generator=gen))
+                for _ in range(args.repeats):  # the KV is written at the same offset every time: nothing is committed
+                    spent[0] = 0.0
+                    best.keep(("forward", t), elapsed(runner.forward_tree, tree))
+                    best.keep(("linears_in_forward", t), spent[0])
+                if compiled is not None:
+                    for h in hooks:  # the compiled graphs were traced without them; keep it that way
+                        h.remove()
+                    for _ in range(args.repeats):  # both without hooks: they cost ~2 us each, 422 per forward
+                        for part, r in (("eager", runner), ("compiled", compiled)):
+                            best.keep((part, t), elapsed(r.forward_tree, tree))
+                    hooks = add_hooks()
+                xs = inputs_by_width(linears, (1, t), linears[0].weight.dtype, gen)
+                for _ in range(args.repeats):
+                    spent[0] = 0.0
+                    for m in linears:
+                        m(xs[m.in_features])
+                    best.keep(("linears_alone", t), spent[0])
+    for h in hooks:
+        h.remove()
+    print(f"{args.model} {args.dtype}, {args.context}-token context, {torch.get_num_threads()} thread(s), "
+          f"best of {args.rounds} x {args.repeats}, ms")
+    print("T      forward  linears (in forward)  linears (alone)  rest of forward" + ("  eager (no hooks)  compiled" if compiled else ""))
+    for t in sizes:
+        f, li, la = (best.ms((p, t)) for p in ("forward", "linears_in_forward", "linears_alone"))
+        extra = f"  {best.ms(('eager', t)):16.1f}  {best.ms(('compiled', t)):8.1f}" if compiled else ""
+        print(f"{t:<6} {f:8.1f}  {li:20.1f}  {la:15.1f}  {f - li:15.1f}{extra}")
+    parts = ["forward", "linears_in_forward", "linears_alone"] + (["eager", "compiled"] if compiled else [])
+    ms = {f"{part}@{t}": round(best.ms((part, t)), 2) for t in sizes for part in parts}
+    finish({"model": args.model, "dtype": args.dtype, "context": args.context,
+            "threads": torch.get_num_threads(), "ms": ms}, args.json)
+
+
+# ----------------------------------------------------------------------------------------
+# model-linears
+# ----------------------------------------------------------------------------------------
+
+MODEL_LINEARS = """The linear layers of one target forward over M rows, alone: every weight of the model through the packed kernel.
+
+    OMP_NUM_THREADS=1 python -m bench.profile model-linears --dtype bf16 --rows 1,2,4,5,6,8,12 --json out.json
+
+A verification of M tree tokens multiplies M rows through every weight (SmolLM2-135M: 211 of them, 270 MB in bf16,
+read from DRAM once per forward). This times exactly that, without the model's other ops, best of ``--repeats``,
+with the rows' sizes interleaved so that drift in machine speed spreads over all of them. To compare two builds
+of the extension, run it once per build, alternating, a few times.
+"""
+
+
+def model_linears(args: argparse.Namespace) -> None:
+    from specdec.hub import load_model
+
+    rows = [int(r) for r in args.rows.split(",")]
+    model, _ = load_model(args.model, args.dtype, linear="packed")
+    layers = specdec_linears(model)
+    op = torch.ops.specdec.packed_linear
+    best = Best()
+
+    def all_layers(xs):
+        for lin in layers:
+            op(xs[lin.in_features], lin.packed_weight(), lin.out_features, lin.bias)
+
+    with torch.inference_mode():
+        for _ in range(args.repeats):
+            for m in rows:
+                best.keep(m, elapsed(all_layers, inputs_by_width(layers, (m,), layers[0].weight.dtype)))
+    mb = sum(lin.weight.numel() * lin.weight.element_size() for lin in layers) / 2**20
+    out = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "layers": len(layers),
+           "weight_mib": round(mb, 1), "ms": {m: round(best.ms(m), 2) for m in rows}}
+    print(f"{len(layers)} weights, {mb:.0f} MiB, {out['threads']} threads, best of {args.repeats}, ms: "
+          + "  ".join(f"M={m}: {v:.1f}" for m, v in out["ms"].items()))
+    finish(out, args.json)
+
+
+# ----------------------------------------------------------------------------------------
+# attention
+# ----------------------------------------------------------------------------------------
+
+ATTENTION = """End-to-end A/B of the runner's attention paths: the tree-attention kernel against the dense-mask SDPA.
+
+One decoder (one loaded model); every prompt is generated with both paths, the order alternating
+from prompt to prompt and round to round, and the decode times (after prefill) are summed per path.
+
+    python -m bench.profile attention --prompts specdec/data/demo_prompts.jsonl --method pld \\
+        --max-new-tokens 64 --dtype fp32 [--schedule static] [--rounds 2] [--threads N] [--json OUT]
+"""
+
+PATHS = ("sdpa", "kernel")
+
+
+def set_attention(dec, path: str) -> None:
+    for runner in (dec.runner, dec.draft_runner):
+        if runner is not None:
+            runner.attention = path
+
+
+def attention(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dec = decoder(args.model, args.dtype)
+    prompts = prompts_of(args, dec)
+    opts = {"schedule": args.schedule} if args.schedule else {}
+    for path in PATHS:  # warm-up
+        set_attention(dec, path)
+        dec.generate_ids([prompts[0].ids], args.method, 8, **opts)
+    sums = {p: DecodeTotals() for p in PATHS}
+    same, runs = 0, 0
+    for r in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            outs = {}
+            for path in PATHS if (i + r) % 2 == 0 else PATHS[::-1]:
+                set_attention(dec, path)
+                outs[path] = sums[path].add(dec.generate_ids([prompt.ids], args.method, args.max_new_tokens, **opts))
+            same += outs["sdpa"] == outs["kernel"]
+            runs += 1
+    out = {"model": args.model, "method": args.method, "schedule": args.schedule, "dtype": args.dtype,
+           "threads": torch.get_num_threads(),
+           "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "rounds": args.rounds,
+           "identical_outputs": f"{same}/{runs}"}
+    for p, s in sums.items():
+        out[p] = {"decode_s": s.decode_s, "target_s": s.target_s, "tokens": s.tokens, "steps": s.steps,
+                  "tokens_per_s": s.tokens / s.decode_s, "ms_per_step": s.per_step_ms(s.decode_s),
+                  "target_ms_per_step": s.per_step_ms(s.target_s)}
+    out["decode_speedup"] = sums["sdpa"].decode_s / sums["kernel"].decode_s
+    out["target_forward_speedup"] = sums["sdpa"].target_s / sums["kernel"].target_s
+    finish(out, args.json, show=True)
+
+
+# ----------------------------------------------------------------------------------------
+# linear
+# ----------------------------------------------------------------------------------------
+
+LINEAR = """transformers' own ``generate`` (``hf``) with torch's linear layers against specdec's kernels.
+
+    OMP_NUM_THREADS=1 python -m bench.profile linear --dtype bf16 --per-category 2 --json out.json
+    python -m bench.profile linear --dtype bf16 --max-new-tokens 1 ...   # prefill alone
+    python -m bench.profile linear --kernels torch,skinny,packed ...     # default: torch,skinny
+
+One process, one model loaded once and copied per kernel; the copies decode the same prompts in
+rotating order, so the ratios are side by side. This is the absolute reference for ``specdec bench
+--linear skinny|packed``, whose ``hf`` baseline already runs on that kernel.
+"""
+
+
+def linear(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from specdec.api import hf_generate
+    from specdec.linear import use_skinny_linear
+    from specdec.verify import SamplingConfig
+
+    names = [k.strip() for k in args.kernels.split(",")]
+    if not names or set(names) - {"torch", "skinny", "packed"} or len(set(names)) != len(names):
+        args.parser.error(f"--kernels takes distinct names among torch, skinny, packed; got {args.kernels!r}")
+    dec = decoder(args.model, args.dtype, linear="torch")
+    models = {}
+    for name in names:
+        models[name] = copy.deepcopy(dec.model)
+        if name != "torch":
+            use_skinny_linear(models[name], prepack=name == "packed")
+    prompts = prompts_of(args, dec)
+    seconds = {name: 0.0 for name in models}
+    tokens = {name: 0 for name in models}
+    same = {name: 0 for name in models}  # outputs equal to the first kernel's
+    for i, p in enumerate(tqdm(prompts, desc="linear a/b")):
+        outs = {}
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t = time.perf_counter()
+            outs[name] = hf_generate(models[name], p.ids, args.max_new_tokens, SamplingConfig())
+            seconds[name] += time.perf_counter() - t
+            tokens[name] += len(outs[name])
+        for name in names:
+            same[name] += outs[name] == outs[names[0]]
+    tps = {name: tokens[name] / seconds[name] for name in models}
+    ratio = {name: tps[name] / tps[names[0]] for name in names}
+    print("hf tok/s: " + ", ".join(f"{n} {tps[n]:.1f} ({ratio[n]:.2f}x, {same[n]}/{len(prompts)} identical)" for n in names))
+    finish({"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens, "tokens_per_second": tps, "seconds": seconds,
+            f"over_{names[0]}": ratio, f"identical_to_{names[0]}": same}, args.json)
+
+
+# ----------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    from specdec.linear import LINEAR_KERNELS
+
+    ap = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__, formatter_class=RAW)
+    subs = ap.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+
+    p = subcommand(subs, "step-split", STEP_SPLIT, dtype_choices=False)
+    p.add_argument("--prompts", default=DEV_PROMPTS)
+    p.add_argument("--per-category", type=int, default=2)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--method", default="pld")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--compile", default="off", choices=["off", "on"],
+                   help="on: decode through the compiled graphs (compiled before timing); default off")
+    p.set_defaults(run=step_split)
+
+    p = subcommand(subs, "step-cost", STEP_COST, dtype=None)
+    p.add_argument("--dtype", action="append", default=None, help="fp32, bf16 or fp16 (repeatable)")
+    p.add_argument("--context", type=int, default=400)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--linear", default="auto", choices=list(LINEAR_KERNELS))
+    p.add_argument("--compile", default="off", choices=["off", "on"],
+                   help="on: calibrate the compiled runner (compiled first); default off")
+    p.set_defaults(run=step_cost)
+
+    p = subcommand(subs, "forward-split", FORWARD_SPLIT)
+    p.add_argument("--context", type=int, default=400)
+    p.add_argument("--sizes", default="1,6")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--compile", action="store_true", help="also time a compiled runner's forwards")
+    p.set_defaults(run=forward_split)
+
+    p = subcommand(subs, "model-linears", MODEL_LINEARS)
+    p.add_argument("--rows", default="1,2,4,5,6,8,12")
+    p.add_argument("--repeats", type=int, default=5)
+    p.set_defaults(run=model_linears)
+
+    p = subcommand(subs, "attention", ATTENTION, dtype="fp32", dtype_choices=False)
+    p.add_argument("--prompts", default=DEV_PROMPTS)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--method", default="pld")
+    p.add_argument("--schedule", default=None, help="pld/sd draft-length schedule (static: same drafts on both paths)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.set_defaults(run=attention)
+
+    p = subcommand(subs, "linear", LINEAR)
+    p.add_argument("--prompts", default=DEV_PROMPTS)
+    p.add_argument("--per-category", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--kernels", default="torch,skinny", help="comma list of torch, skinny, packed")
+    p.set_defaults(run=linear, parser=p)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
