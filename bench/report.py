@@ -1,6 +1,6 @@
 """Markdown tables from ``specdec bench --json`` files: overall and per category.
 
-    python -m bench.report bench/results/issue2_bf16.json
+    python -m bench.report bench/results/issue4_compile_bf16.json
     python -m bench.report shard_a.json shard_b.json --out merged.json   # runs of several shards, merged
 
 Shards are runs of the same methods over disjoint prompt sets (e.g. two one-thread processes, one per
