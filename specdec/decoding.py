@@ -138,9 +138,7 @@ class StepOutcome:
         path_len = verdict.path_len.long()
         if not all(active):  # finished rows stand still
             path_len = torch.where(torch.tensor(active, device=path_len.device), path_len, 0)
-        # The accepted drafts, then the next token over the slot after them (bonus=True: path_len tokens).
-        emitted = torch.cat([tree.tokens.gather(1, verdict.path.clamp(min=0))[:, 1:], verdict.next_token[:, None]], 1)
-        emitted.scatter_(1, (path_len - 1).clamp(min=0)[:, None], verdict.next_token[:, None])
+        emitted = verdict.emitted(tree)
         host = torch.cat([path_len[:, None], tree.num_drafted[:, None], emitted], dim=1).tolist()
         return cls(verdict.path, path_len, emitted, [h[0] for h in host], [h[1] for h in host],
                    [h[2: 2 + h[0]] for h in host])

@@ -27,10 +27,13 @@ from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, 
 from specdec.verify import SamplingConfig
 
 
-def option(default, help: str, choices: tuple | None = None, flag: str | None = None, cli: bool = True):
-    """A method option: a dataclass field with its help text, allowed values, and CLI flag
-    (default ``--name-with-dashes``; ``cli=False`` keeps it to bench labels and Python)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "cli": cli})
+def option(default, help: str, choices: tuple | None = None, flag: str | None = None, cli: bool = True,
+           low: float | None = 1, high: float | None = None):
+    """A method option: a dataclass field with its help text, allowed values (``choices``, or numbers in
+    ``[low, high)``; ``low=None`` for no bound), and CLI flag (default ``--name-with-dashes``;
+    ``cli=False`` keeps it to bench labels and Python)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "cli": cli,
+                                            "low": low, "high": high})
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class SDOptions:
     schedule: str = option("static", "static, or heuristic (transformers' schedule: +2 after a fully "
                                      "accepted draft, else -1)", ("static", "heuristic"))
     confidence: float = option(0.0, "stop a row's draft once the draft's top-1 probability falls below this "
-                                    "(transformers' assistant_confidence_threshold; 0: off)")
+                                    "(transformers' assistant_confidence_threshold; 0: off)", low=0.0, high=1.0)
     draft: str | None = option(None, "which loaded draft (--draft A,B loads several; default: the first)", cli=False)
 
 
@@ -68,7 +71,7 @@ class NGrammysOptions:
     verify: str = option("tree", "trie (tree), k branches (batch, the paper's batch rows), best draft only (chain)",
                          VERIFY_MODES)
     c: int | None = option(None, "drafts from the n-gram corpus per step (default 2 with a corpus, else 0)",
-                           flag="--corpus-slots")
+                           flag="--corpus-slots", low=0)
     support: int = option(1, "acceptance estimates per how many drafts share a node (1) or not (0)", (0, 1))
     schedule: str = option("cost", "cost: prune each row's tree to the nodes worth their measured verification "
                                    "cost; static: all k x w drafts, as in the paper", ("cost", "static"))
@@ -95,26 +98,22 @@ class Method:
         if unknown:
             known = ", ".join(fields) or "none"
             raise ValueError(f"unknown options for {self.name!r}: {unknown} (it takes: {known})")
-        values = {name: _convert(self.name, fields[name], value) for name, value in given.items()}
+        hints = typing.get_type_hints(self.options)
+        values = {name: _convert(self.name, fields[name], _non_none(hints[name]), value) for name, value in given.items()}
         return self.options(**values)
 
     def fields(self) -> list[dataclasses.Field]:
         return list(dataclasses.fields(self.options))
 
 
-def _field_type(f: dataclasses.Field) -> type:
-    """The non-None type of an option (``int | None`` -> ``int``)."""
-    hint = typing.get_type_hints(_OWNER[f]).get(f.name, str) if f in _OWNER else str
-    args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) or \
-        typing.get_origin(hint) is typing.Union else [hint]
-    return args[0]
+def _non_none(hint) -> type:
+    """The non-None type of an option's annotation (``int | None`` -> ``int``)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
 
 
-_OWNER: dict = {}  # field -> the options dataclass declaring it (for type hints under postponed annotations)
-
-
-def _convert(method: str, f: dataclasses.Field, value):
-    kind = _field_type(f)
+def _convert(method: str, f: dataclasses.Field, kind: type, value):
     if value is None:
         if f.default is not None:
             raise ValueError(f"{method}: option {f.name!r} needs a value")
@@ -133,10 +132,12 @@ def _convert(method: str, f: dataclasses.Field, value):
     choices = f.metadata.get("choices")
     if choices and out not in choices:
         raise ValueError(f"{method}: option {f.name!r} must be one of {', '.join(map(str, choices))}, got {value!r}")
-    if kind in (int, float) and not choices and f.name not in ("confidence",) and out < (0 if f.name == "c" else 1):
-        raise ValueError(f"{method}: option {f.name!r} must be >= {0 if f.name == 'c' else 1}, got {value!r}")
-    if f.name == "confidence" and not 0.0 <= out < 1.0:
-        raise ValueError(f"{method}: option 'confidence' must be in [0, 1), got {value!r}")
+    low, high = f.metadata.get("low"), f.metadata.get("high")
+    if kind in (int, float) and not choices:
+        if high is not None and not low <= out < high:
+            raise ValueError(f"{method}: option {f.name!r} must be in [{low:g}, {high:g}), got {value!r}")
+        if low is not None and out < low:
+            raise ValueError(f"{method}: option {f.name!r} must be >= {low:g}, got {value!r}")
     return out
 
 
@@ -191,8 +192,6 @@ def register(method: Method) -> Method:
         raise ValueError(f"method {method.name!r} is already registered")
     if not dataclasses.is_dataclass(method.options):
         raise TypeError(f"{method.name}: options must be a dataclass")
-    for f in dataclasses.fields(method.options):
-        _OWNER[f] = method.options
     REGISTRY[method.name] = method
     return method
 

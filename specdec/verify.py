@@ -121,11 +121,11 @@ class VerifyResult:
     def emitted(self, tree: DraftTree) -> torch.Tensor:
         """``[B, T] int64`` the tokens emitted per row (accepted drafts, then the next token if any),
         -1 padded after :attr:`num_emitted` entries. ``tree`` is the verified tree."""
-        drafts = tree.tokens.gather(1, self.path.clamp(min=0))[:, 1:]
-        width = torch.arange(drafts.shape[1], device=drafts.device)
-        drafts = torch.where(width < self.path_len[:, None] - 1, drafts, -1)
-        out = torch.cat([drafts, drafts.new_full((drafts.shape[0], 1), -1)], dim=1)  # drafts may have no column
-        return out.scatter(1, (self.path_len.long() - 1)[:, None], self.next_token[:, None])
+        drafts = tree.tokens.gather(1, self.path.clamp(min=0))[:, 1:]  # -1 path padding gathers the root: masked below
+        out = torch.cat([drafts, self.next_token[:, None]], dim=1)
+        out.scatter_(1, (self.path_len.long() - 1)[:, None], self.next_token[:, None])
+        width = torch.arange(out.shape[1], device=out.device)
+        return out.masked_fill_(width >= self.num_emitted[:, None], -1)
 
 
 def ends_at_leaf(tree: DraftTree, path: torch.Tensor, path_len: torch.Tensor) -> torch.Tensor:

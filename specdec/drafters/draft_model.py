@@ -85,14 +85,15 @@ class DraftModelDrafter(Drafter):
         self.draft_calls += 1
         tokens, probs = [], []
         # Rows still drafting; None while every row drafts to the same depth and no rule may stop one.
-        going = None if budget.stop is None and min(budget.max_depth) == max_len else budget.row_depth(dev) > 0
+        depth = budget.row_depth(dev)
+        going = None if budget.stop is None and min(budget.max_depth) == max_len else depth > 0
         for i in range(max_len):
             tok, q = self._pick(logits)
             if going is not None:
                 tok = tok.masked_fill(~going, -1)  # a stopped row's chain ends at its first -1
                 if budget.stop is not None:
                     going = going & budget.stop.keep_going(i + 1, logits)
-                going = going & (budget.row_depth(dev) > i + 1)
+                going = going & (depth > i + 1)
             tokens.append(tok)
             probs.append(q)
             if going is not None and not bool(going.any()):

@@ -80,12 +80,18 @@ def prune(tree: DraftTree, cost: StepCost) -> DraftTree:
         return DraftTree(fresh(tree.tokens), fresh(tree.parents), tree.valid[:, :t] & ~cut, fresh(tree.depth), True,
                          probs, accept=tree.accept[:, :t])
     keep = best_sizes(tree.accept, tree.valid, cost, cost.explore())
+    return tree.select((_rank(tree) <= torch.tensor(keep, device=tree.tokens.device)[:, None]) & tree.valid)[0]
+
+
+def _rank(tree: DraftTree) -> torch.Tensor:
+    """``[B,T]`` each node's place in its row (the root 0): by descending ``tree.accept`` (ties by index, so a
+    parent, reached at least as often as its child, comes first), else in node order."""
+    if tree.accept is None:
+        return torch.cumsum(tree.valid.long(), 1) - 1
     r = tree.accept.float().masked_fill(~tree.valid, -1.0)
     r[:, 0] = 2.0  # the root first
     order = r.argsort(dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-    selected = rank <= torch.tensor(keep, device=rank.device)[:, None]
-    return tree.select(selected & tree.valid)[0]
+    return torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
 
 
 def cap_nodes(tree: DraftTree, max_nodes: list[int]) -> DraftTree:
@@ -99,11 +105,4 @@ def cap_nodes(tree: DraftTree, max_nodes: list[int]) -> DraftTree:
         cut = torch.arange(tree.size, device=tree.tokens.device)[None] > limit
         return DraftTree(tree.tokens, tree.parents, tree.valid & ~cut, tree.depth, True, tree.draft_probs,
                          accept=tree.accept)
-    if tree.accept is None:
-        rank = torch.cumsum(tree.valid.long(), 1) - 1  # the root is rank 0
-    else:
-        r = tree.accept.float().masked_fill(~tree.valid, -1.0)
-        r[:, 0] = 2.0
-        order = r.argsort(dim=1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-    return tree.select((rank <= limit) & tree.valid)[0]
+    return tree.select((_rank(tree) <= limit) & tree.valid)[0]
