@@ -150,27 +150,30 @@ def _load_p(SCRATCH, p_row, in_scratch, offs, ok):
 
 
 @triton.jit
-def _load_q(q_row, s_dr_v, onehot, xh, offs, ok):
-    """The draft distribution at ``offs``: one-hot at the drafted token ``xh`` or a ``q`` row (fp32)."""
+def _load_q(q_row, s_q, onehot, xh, offs, ok):
+    """The draft distribution at ``offs``: one-hot at the drafted token ``xh`` or a dense ``q`` row (fp32)."""
     if onehot:
         q = tl.where(offs == xh, 1.0, 0.0)
     else:
-        q = tl.load(q_row + offs * s_dr_v, mask=ok, other=0.0).to(tl.float32)
+        q = tl.load(q_row + offs * s_q, mask=ok, other=0.0).to(tl.float32)
     return q
 
 
 @triton.jit
 def _sampling_walk_kernel(
-    TOKENS, PARENTS, VALID, TARGET, DRAFT, U, SCRATCH, PATH, LEN, NEXT,
+    TOKENS, PARENTS, VALID, TARGET, DRAFT, IDS, U, SCRATCH, QSCRATCH, PATH, LEN, NEXT,
     s_tok_b, s_tok_t, s_par_b, s_par_t, s_val_b, s_val_t,
-    s_tg_b, s_tg_t, s_tg_v, s_dr_b, s_dr_t, s_dr_v, s_u_b, s_u_t,
-    T, V,
-    HAS_VALID: tl.constexpr, HAS_DRAFT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    s_tg_b, s_tg_t, s_tg_v, s_dr_b, s_dr_t, s_dr_v, s_id_b, s_id_t, s_id_k, s_u_b, s_u_t,
+    T, V, KD,
+    HAS_VALID: tl.constexpr, HAS_DRAFT: tl.constexpr, HAS_IDS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     lanes_t = tl.arange(0, BLOCK_T)
     lanes = tl.arange(0, BLOCK_V)
     scratch = SCRATCH + b * V
+    # A sparse proposal is expanded into this row when a rejection needs it whole (O(V), as the residual).
+    qscratch = QSCRATCH + b * V
     # p_row addresses a target row with unit stride along V (the launcher makes that dim contiguous).
     current = 0
     p_row = TARGET + b * s_tg_b
@@ -186,15 +189,24 @@ def _sampling_walk_kernel(
             xg = tl.where(x < 0, x + V, x)  # torch indexing semantics for p[x], q[x]
             xh = tl.maximum(x, 0)  # the one-hot proposal sits at x.clamp(min=0)
             q_row = DRAFT + b * s_dr_b + i * s_dr_t
+            id_row = IDS + b * s_id_b + i * s_id_t
             onehot = True
             if HAS_DRAFT:
                 q_mass = 0.0
-                for start in range(0, V, BLOCK_V):
+                for start in range(0, KD, BLOCK_V):
                     offs = start + lanes
-                    q_mass += tl.sum(tl.load(q_row + offs * s_dr_v, mask=offs < V, other=0.0).to(tl.float32), 0)
+                    q_mass += tl.sum(tl.load(q_row + offs * s_dr_v, mask=offs < KD, other=0.0).to(tl.float32), 0)
                 onehot = q_mass <= 0  # an all-zero draft row means a deterministic proposal
             if onehot:
                 qx = tl.where(xg == xh, 1.0, 0.0)
+            elif HAS_IDS:
+                qx = 0.0
+                for start in range(0, KD, BLOCK_V):
+                    offs = start + lanes
+                    ok = offs < KD
+                    ids = tl.load(id_row + offs * s_id_k, mask=ok, other=-1)
+                    qv = tl.load(q_row + offs * s_dr_v, mask=ok, other=0.0).to(tl.float32)
+                    qx += tl.sum(tl.where(ok & (ids == xg), qv, 0.0), 0)
             else:
                 qx = tl.load(q_row + xg * s_dr_v).to(tl.float32)
             if in_scratch != 0:
@@ -209,20 +221,38 @@ def _sampling_walk_kernel(
                 p_row = TARGET + b * s_tg_b + i * s_tg_t
                 in_scratch = 0
             else:
+                if HAS_IDS:
+                    if not onehot:
+                        for start in range(0, V, BLOCK_V):
+                            offs = start + lanes
+                            tl.store(qscratch + offs, tl.zeros([BLOCK_V], tl.float32), mask=offs < V)
+                        tl.debug_barrier()
+                        for start in range(0, KD, BLOCK_V):
+                            offs = start + lanes
+                            ok = offs < KD
+                            ids = tl.load(id_row + offs * s_id_k, mask=ok, other=-1)
+                            qv = tl.load(q_row + offs * s_dr_v, mask=ok, other=0.0).to(tl.float32)
+                            tl.store(qscratch + ids, qv, mask=ok & (ids >= 0))
+                        tl.debug_barrier()
+                    q_dense = qscratch
+                    s_q = 1
+                else:
+                    q_dense = q_row
+                    s_q = s_dr_v
                 # Residual max(p - q, 0), normalised; an empty residual keeps p (reference guard).
                 total = 0.0
                 for start in range(0, V, BLOCK_V):
                     offs = start + lanes
                     ok = offs < V
                     p = _load_p(scratch, p_row, in_scratch, offs, ok)
-                    q = _load_q(q_row, s_dr_v, onehot, xh, offs, ok)
+                    q = _load_q(q_dense, s_q, onehot, xh, offs, ok)
                     total += tl.sum(tl.maximum(p - q, 0.0), 0)
                 if total > 0:
                     for start in range(0, V, BLOCK_V):
                         offs = start + lanes
                         ok = offs < V
                         p = _load_p(scratch, p_row, in_scratch, offs, ok)
-                        q = _load_q(q_row, s_dr_v, onehot, xh, offs, ok)
+                        q = _load_q(q_dense, s_q, onehot, xh, offs, ok)
                         tl.store(scratch + offs, tl.math.div_rn(tl.maximum(p - q, 0.0), total), mask=ok)
                     tl.debug_barrier()  # the scalar reads of later nodes see the whole row
                     in_scratch = 1
@@ -259,14 +289,16 @@ def tree_verify_sampling(
     draft_probs: torch.Tensor | None,
     uniforms: torch.Tensor,
     valid: torch.Tensor | None = None,
+    draft_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless recursive rejection sampling over a draft tree (Triton).
 
     Args:
         tokens, parents, valid: as in :func:`tree_verify_greedy`.
         target_probs: ``[B, T, V]`` float, the target's distribution at every node.
-        draft_probs: ``[B, T, V]`` float proposal of every node, or None (one-hot proposals; an
-            all-zero row is one-hot too).
+        draft_probs: ``[B, T, K]`` float proposal of every node over ``draft_ids [B, T, K]`` int64
+            (distinct per node, -1 at unused entries), or ``[B, T, V]`` over the whole vocabulary when
+            ``draft_ids`` is None, or None (one-hot proposals; an all-zero row is one-hot too).
         uniforms: ``[B, T + 1]`` float in [0, 1) (node ``i`` uses ``uniforms[:, i]``, the final
             sample ``uniforms[:, T]``).
     Returns:
@@ -287,11 +319,14 @@ def tree_verify_sampling(
     scratch = torch.empty(b, v, dtype=torch.float32, device=dev)
     val = valid.to(torch.uint8) if valid is not None else tokens
     draft = draft_probs if draft_probs is not None else target_probs
+    sparse = draft_probs is not None and draft_ids is not None
+    ids = draft_ids if sparse else tokens[:, :, None]
+    qscratch = torch.empty(b, v, dtype=torch.float32, device=dev) if sparse else scratch
     _sampling_walk_kernel[(b,)](
-        tokens, parents, val, target_probs, draft, uniforms, scratch, path, length, nxt,
-        *tokens.stride(), *parents.stride(), *val.stride(), *target_probs.stride(), *draft.stride(),
-        *uniforms.stride(), t, v,
-        HAS_VALID=valid is not None, HAS_DRAFT=draft_probs is not None,
+        tokens, parents, val, target_probs, draft, ids, uniforms, scratch, qscratch, path, length, nxt,
+        *tokens.stride(), *parents.stride(), *val.stride(), *target_probs.stride(), *draft.stride(), *ids.stride(),
+        *uniforms.stride(), t, v, draft.shape[2],
+        HAS_VALID=valid is not None, HAS_DRAFT=draft_probs is not None, HAS_IDS=sparse,
         BLOCK_T=max(2, triton.next_power_of_2(t)), BLOCK_V=min(2048, triton.next_power_of_2(v)), num_warps=8,
     )
     return path, length, nxt

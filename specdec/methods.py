@@ -58,6 +58,8 @@ class SDOptions:
                                      "accepted draft, else -1)", ("static", "heuristic"))
     confidence: float = option(0.0, "stop a row's draft once the draft's top-1 probability falls below this "
                                     "(transformers' assistant_confidence_threshold; 0: off)", low=0.0, high=1.0)
+    proposal_topk: int = option(64, "sampling: the draft samples from its k most likely tokens (renormalised), and "
+                                    "verification reads those k probabilities per node")
     draft: str | None = option(None, "which loaded draft (--draft A,B loads several; default: the first)", cli=False)
 
 
@@ -160,7 +162,7 @@ def _build_sd(dec, o: SDOptions, sampling: SamplingConfig):
     draft, runner = dec.get_draft(o.draft)
     cls = FeatureDraftDrafter if is_feature_draft(draft) else DraftModelDrafter
     stop = ConfidenceStop(o.confidence) if o.confidence > 0 else None
-    return cls(runner, sampling), _length_policy(o.schedule, o.draft_length, 64, stop=stop)
+    return cls(runner, sampling, o.proposal_topk), _length_policy(o.schedule, o.draft_length, 64, stop=stop)
 
 
 def _build_ngrammys(dec, o: NGrammysOptions, sampling: SamplingConfig):

@@ -16,13 +16,82 @@ from specdec.kernels.reference import ancestor_mask, tree_depth
 
 
 @dataclass(eq=False)
+class SparseProbs:
+    """Proposal distributions of draft nodes, each over a few token ids (never a full-vocabulary row).
+
+    ids: ``[B,T,K] int64`` token ids, distinct within a node, -1 at unused entries (may be an
+    expanded view, e.g. one shared reduced vocabulary); probs: ``[B,T,K]`` float, 0 at unused entries.
+    A node whose probs are all zero proposed its token deterministically (a one-hot proposal): the
+    root, and every node of a deterministic draft.
+    """
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    def __post_init__(self):
+        if self.ids.shape != self.probs.shape or self.ids.dim() != 3:
+            raise ValueError(f"ids and probs must both be [B, T, K], got {tuple(self.ids.shape)} and "
+                             f"{tuple(self.probs.shape)}")
+
+    @classmethod
+    def top_k(cls, logits: torch.Tensor, k: int) -> "SparseProbs":
+        """The distribution ``softmax(logits)`` restricted to its ``k`` most likely ids and renormalised.
+
+        logits: ``[B,T,V]`` float (``-inf`` at filtered ids, which get probability 0). Sampling a
+        draft from this distribution and verifying against it is exact rejection sampling: any
+        proposal is, as long as verification reads the one the token was drawn from."""
+        vals, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+        return cls(ids, vals.float().softmax(-1))
+
+    @classmethod
+    def one_hot(cls, b: int, t: int, device: torch.device | str | None = None) -> "SparseProbs":
+        """``t`` deterministic nodes per row (probs all zero, ``K = 1``)."""
+        return cls(torch.full((b, t, 1), -1, dtype=torch.int64, device=device), torch.zeros(b, t, 1, device=device))
+
+    @property
+    def k(self) -> int:
+        return self.ids.shape[2]
+
+    def map_ids(self, table: torch.Tensor) -> "SparseProbs":
+        """Ids translated through ``table [V'] int64`` (e.g. a reduced draft vocabulary to target ids)."""
+        return SparseProbs(torch.where(self.ids >= 0, table[self.ids.clamp(min=0)], -1), self.probs)
+
+    def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        """One id per node drawn from its distribution. Returns ``[B,T] int64`` (-1 at one-hot nodes)."""
+        b, t, k = self.probs.shape
+        flat = self.probs.reshape(b * t, k)
+        mass = flat.sum(-1) > 0
+        pick = torch.multinomial(torch.where(mass[:, None], flat, 1.0), 1, generator=generator).view(b, t)
+        return torch.where(mass.view(b, t), self.ids.gather(2, pick[..., None]).squeeze(2), -1)
+
+    @staticmethod
+    def cat(parts: list["SparseProbs"]) -> "SparseProbs":
+        """Concatenate along the node axis; narrower parts are padded to the widest ``K``."""
+        k = max(p.k for p in parts)
+        pad = [(torch.nn.functional.pad(p.ids, (0, k - p.k), value=-1), torch.nn.functional.pad(p.probs, (0, k - p.k)))
+               for p in parts]
+        return SparseProbs(torch.cat([i for i, _ in pad], dim=1), torch.cat([q for _, q in pad], dim=1))
+
+    def gather(self, nodes: torch.Tensor) -> "SparseProbs":
+        """The rows of ``nodes [B,T'] int64`` (indices into the node axis)."""
+        idx = nodes[..., None].expand(-1, -1, self.k)
+        return SparseProbs(self.ids.gather(1, idx), self.probs.gather(1, idx))
+
+    def dense(self, vocab_size: int) -> torch.Tensor:
+        """``[B,T,V] fp32``, the same distributions over the whole vocabulary (tests and debugging)."""
+        b, t, _ = self.ids.shape
+        out = torch.zeros(b, t, vocab_size, device=self.probs.device)
+        return out.scatter_add_(2, self.ids.clamp(min=0), self.probs.float().masked_fill(self.ids < 0, 0.0))
+
+
+@dataclass(eq=False)
 class DraftTree:
     """A batch of draft trees.
 
     tokens: ``[B,T] int64``; parents: ``[B,T] int64`` (-1 at the root); valid: ``[B,T] bool``;
     depth: ``[B,T] int64``; is_chain: every row is a chain (attention is causal, no mask);
-    draft_probs: ``[B,T,V]`` float proposal distributions (None for deterministic drafts; the root's
-    row is unused). :attr:`mask` is derived on first use. accept: ``[B,T]`` float, the drafter's estimate
+    draft_probs: :class:`SparseProbs` ``[B,T,K]``, the proposal distribution of every node (None for
+    deterministic drafts; the root's row is all zero). :attr:`mask` is derived on first use. accept: ``[B,T]`` float, the drafter's estimate
     that each node is accepted (reached) given the root, or None; a planner prunes by it
     (:func:`specdec.policies.prune`), whatever source each node came from.
     """
@@ -32,7 +101,7 @@ class DraftTree:
     valid: torch.Tensor
     depth: torch.Tensor
     is_chain: bool
-    draft_probs: torch.Tensor | None = None
+    draft_probs: SparseProbs | None = None
     _mask: torch.Tensor | None = field(default=None, repr=False)
     accept: torch.Tensor | None = None
 
@@ -64,10 +133,10 @@ class DraftTree:
         return self.valid[:, 1:].sum(-1)
 
     @classmethod
-    def chain(cls, root: torch.Tensor, drafts: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None) -> "DraftTree":
+    def chain(cls, root: torch.Tensor, drafts: torch.Tensor | None = None, draft_probs: SparseProbs | None = None) -> "DraftTree":
         """One chain per row. root: ``[B]``; drafts: ``[B,k]`` int64, -1 padded at the end (or None).
 
-        draft_probs: ``[B,k,V]`` distributions the drafts were sampled from, or None.
+        draft_probs: :class:`SparseProbs` ``[B,k,K]``, the distributions the drafts were sampled from, or None.
         """
         b = root.shape[0]
         dev = root.device
@@ -82,12 +151,12 @@ class DraftTree:
         depth = ar.expand(b, t).clone()
         probs = None
         if draft_probs is not None:
-            probs = torch.cat([torch.zeros_like(draft_probs[:, :1]), draft_probs], dim=1)
+            probs = SparseProbs.cat([SparseProbs.one_hot(b, 1, dev), draft_probs])
         return cls(tokens, parents, valid, depth, True, probs)
 
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor | None = None,
-                     draft_probs: torch.Tensor | None = None, check: bool = True) -> "DraftTree":
+                     draft_probs: SparseProbs | None = None, check: bool = True) -> "DraftTree":
         """A general tree. tokens, parents: ``[B,T] int64`` (parents[:,0] = -1, parents[i] < i).
 
         ``check=False`` skips validating ``parents`` (for trees built here, correct by construction)."""
@@ -101,56 +170,71 @@ class DraftTree:
         return cls(tokens, parents, valid, tree_depth(parents), False, draft_probs)
 
     @classmethod
-    def from_chains(cls, root: torch.Tensor, chains: list[list[list[int]]]) -> "DraftTree":
+    def from_chains(cls, root: torch.Tensor, chains: list[list[list[int]]],
+                    draft_probs: SparseProbs | None = None) -> "DraftTree":
         """Merge several chains per row into a trie (shared prefixes become shared nodes).
 
         root: ``[B]``; chains: for each row, a list of token lists. Node order is insertion order,
         so a chain listed first keeps the lowest indices (verification tries siblings in index order).
+        draft_probs: :class:`SparseProbs` ``[B, C*L, K]`` with the proposal of token ``d`` of chain
+        ``c`` at ``c * L + d`` (``C`` chains of at most ``L`` tokens per row), or None. A node shared
+        by several chains keeps the first chain's proposal (chains that share a prefix were drawn
+        from the same distributions).
         """
         b = root.shape[0]
-        rows_tokens, rows_parents = [], []
+        width = max((len(c) for row in chains for c in row), default=0)
+        rows_tokens, rows_parents, rows_cells = [], [], []
         for r in range(b):
-            toks, pars = [int(root[r])], [-1]
+            toks, pars, cells = [int(root[r])], [-1], [-1]
             children: dict[tuple[int, int], int] = {}
-            for chain in chains[r]:
+            for c, chain in enumerate(chains[r]):
                 node = 0
-                for tok in chain:
+                for d, tok in enumerate(chain):
                     key = (node, int(tok))
                     if key not in children:
                         children[key] = len(toks)
                         toks.append(int(tok))
                         pars.append(node)
+                        cells.append(c * width + d)
                     node = children[key]
             rows_tokens.append(toks)
             rows_parents.append(pars)
+            rows_cells.append(cells)
         t = max(len(x) for x in rows_tokens)
         tokens = torch.zeros(b, t, dtype=torch.int64)
         parents = torch.zeros(b, t, dtype=torch.int64)
+        cell = torch.full((b, t), -1, dtype=torch.int64)
         valid = torch.zeros(b, t, dtype=torch.bool)
         for r in range(b):
             n = len(rows_tokens[r])
             tokens[r, :n] = torch.tensor(rows_tokens[r])
             parents[r, :n] = torch.tensor(rows_parents[r])
+            cell[r, :n] = torch.tensor(rows_cells[r])
             valid[r, :n] = True
         dev = root.device
-        return cls.from_parents(tokens.to(dev), parents.to(dev), valid.to(dev))
+        probs = None if draft_probs is None else _node_probs(draft_probs, cell.to(dev))
+        return cls.from_parents(tokens.to(dev), parents.to(dev), valid.to(dev), probs)
 
     @classmethod
     def from_drafts(cls, root: torch.Tensor, drafts: torch.Tensor, merge: bool = True, accept: torch.Tensor | None = None,
-                    cost: torch.Tensor | None = None, extra: int = 0) -> tuple["DraftTree", torch.Tensor, torch.Tensor]:
+                    cost: torch.Tensor | None = None, extra: int = 0,
+                    draft_probs: SparseProbs | None = None) -> tuple["DraftTree", torch.Tensor, torch.Tensor]:
         """Several chains per row as one tree, mask included (:func:`specdec.kernels.draft_tree`).
 
         root: ``[B]``; drafts: ``[B,k,w] int64``, each chain -1 padded at its end (an empty slot is
         all -1). ``merge=True`` builds the trie (chains sharing a prefix share its nodes);
         ``merge=False`` keeps every chain as its own branch under the root (the paper's k batch
         rows, minus the k-1 copies of the root). With ``accept [B,k,w]`` and ``cost`` the tree keeps
-        only the nodes that pay for their verification cost (see the kernel).
+        only the nodes that pay for their verification cost (see the kernel). draft_probs:
+        :class:`SparseProbs` ``[B, k*w, K]``, the proposal of cell ``i * w + d``, or None; a node
+        keeps its first chain's.
 
         Returns the tree, ``[B,T] int64`` the first chain through each node and ``[B,T] int64`` that
         chain's cell ``i * w + d`` (both -1 at the root and at padding).
         """
         tokens, parents, valid, depth, mask, chain, slot = kernels.draft_tree(root, drafts, merge, accept, cost, extra)
-        return cls(tokens, parents, valid, depth, False, None, mask), chain, slot
+        probs = None if draft_probs is None else _node_probs(draft_probs, slot)
+        return cls(tokens, parents, valid, depth, False, probs, mask), chain, slot
 
     def select(self, keep: torch.Tensor) -> tuple["DraftTree", torch.Tensor]:
         """The subtree of the nodes in ``keep`` ``[B,T] bool`` (closed under parents; the root is always kept).
@@ -159,9 +243,7 @@ class DraftTree:
         every new node (0 at padding).
         """
         tokens, parents, valid, old = kernels.reference.subtree(self.tokens, self.parents, self.valid, keep)
-        probs = None
-        if self.draft_probs is not None:
-            probs = self.draft_probs.gather(1, old[:, :, None].expand(-1, -1, self.draft_probs.shape[-1]))
+        probs = None if self.draft_probs is None else _node_probs(self.draft_probs, torch.where(valid, old, -1))
         tree = DraftTree.from_parents(tokens, parents, valid, probs, check=False)
         if self.accept is not None:
             tree.accept = self.accept.gather(1, old)
@@ -179,3 +261,10 @@ class DraftTree:
         from specdec.kernels import unpack_mask
 
         return unpack_mask(self.mask, t)
+
+
+def _node_probs(probs: SparseProbs, cell: torch.Tensor) -> SparseProbs:
+    """The proposals of the cells ``cell [B,T] int64`` of ``probs`` (one-hot where ``cell`` is -1)."""
+    out = probs.gather(cell.clamp(min=0))
+    none = (cell < 0)[..., None]
+    return SparseProbs(out.ids.masked_fill(none, -1), out.probs.masked_fill(none, 0.0))

@@ -245,8 +245,10 @@ class Verifier:
             x = processed_logits(full, self.cfg)
             probs = x.softmax(-1)
             u = torch.rand(b, t + 1, generator=self.generator, device=logits.device)
-            path, path_len, nxt = kernels.tree_verify_sampling(tree.tokens, tree.parents, probs, tree.draft_probs, u,
-                                                               tree.valid)
+            q = tree.draft_probs
+            path, path_len, nxt = kernels.tree_verify_sampling(tree.tokens, tree.parents, probs,
+                                                               None if q is None else q.probs, u, tree.valid,
+                                                               None if q is None else q.ids)
             if per_node:
                 topk_ids, topk_probs = self._node_topk(x, rows)
         if bonus:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import specdec.kernels as K
 from specdec.kernels import reference
+from specdec.tree import SparseProbs
 from tests.naive import ancestors_or_self, naive_pack, one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -565,6 +566,37 @@ def test_tree_verify_sampling_one_hot_equals_greedy(which, case, use_valid, with
     want = naive_verify_greedy(tokens.tolist(), parents.tolist(), logits.tolist(),
                                (valid if use_valid else torch.ones_like(valid)).tolist())
     check_greedy_result(sampled, want, t)
+
+
+@pytest.mark.parametrize("which", list(OPS))
+@settings(max_examples=40, deadline=None)
+@given(case=verify_cases(), k=st.integers(1, 8), useed=st.integers(0, 2**31 - 1))
+def test_tree_verify_sampling_sparse_equals_dense(which, case, k, useed):
+    """Proposals as (ids, probs) give exactly the decisions of the same proposals written out over the
+    whole vocabulary, -1 entries and all-zero (one-hot) rows included."""
+    tokens, parents, logits, valid = case
+    b, t, v = logits.shape
+    g = torch.Generator().manual_seed(useed)
+    target = torch.softmax(logits * 2, -1)
+    ids = torch.rand(b, t, v, generator=g).argsort(-1)[..., :min(k, v)]
+    probs = torch.softmax(torch.randn(b, t, ids.shape[2], generator=g), -1)
+    unused = torch.rand(ids.shape, generator=g) < 0.25
+    ids, probs = ids.masked_fill(unused, -1), probs.masked_fill(unused, 0.0)
+    probs[:, 1::3] = 0.0
+    uniforms = torch.rand(b, t + 1, generator=g)
+    sparse = OPS[which].tree_verify_sampling(tokens, parents, target, probs, uniforms, valid, ids)
+    dense = OPS[which].tree_verify_sampling(tokens, parents, target, SparseProbs(ids, probs).dense(v), uniforms, valid)
+    for got, want in zip(sparse, dense):
+        assert torch.equal(got, want)
+
+
+def test_tree_verify_sampling_rejects_mismatched_proposals():
+    tokens, parents = torch.tensor([[1, 2]]), torch.tensor([[-1, 0]])
+    target, u = torch.full((1, 2, 5), 0.2), torch.rand(1, 3)
+    with pytest.raises(ValueError, match="whole vocabulary"):
+        K.tree_verify_sampling(tokens, parents, target, torch.rand(1, 2, 3), u)
+    with pytest.raises(ValueError, match="draft_ids must match"):
+        K.tree_verify_sampling(tokens, parents, target, torch.rand(1, 2, 3), u, None, torch.zeros(1, 2, 2, dtype=torch.int64))
 
 
 # ----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from scipy import stats
 
 from specdec import kernels, methods
 from specdec.api import SpecDecoder
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, SparseProbs
 from specdec.verify import SamplingConfig, Verifier, processed_probs
 from tests.conftest import tiny_model
 from tests.test_greedy_lossless import perturbed
@@ -167,13 +167,21 @@ def emit_and_complete(tables: Tables, tokens, path, length, nxt, g) -> torch.Ten
     return out
 
 
+def full_vocab(q: torch.Tensor) -> SparseProbs:
+    """Proposals ``q [B,T,V]`` over the whole vocabulary as :class:`SparseProbs` (K = V)."""
+    return SparseProbs(torch.arange(q.shape[-1]).expand(q.shape), q)
+
+
 def run_tree(verify, tables: Tables, tokens, parents, draft_probs, valid, seed: int):
     """Verify with target probs from the tables at every node: (first 3 tokens ``[B,3]``, length ``[B]``)."""
     g = torch.Generator().manual_seed(seed)
     prefixes = depth_prefixes(tokens, parents)
     target_probs = torch.stack([tables.target_at(pre) for pre in prefixes], dim=1)
     uniforms = torch.rand(B, tokens.shape[1] + 1, generator=g)
-    path, length, nxt = verify(tokens, parents, target_probs, draft_probs, uniforms, valid)
+    if isinstance(draft_probs, SparseProbs):
+        path, length, nxt = verify(tokens, parents, target_probs, draft_probs.probs, uniforms, valid, draft_probs.ids)
+    else:
+        path, length, nxt = verify(tokens, parents, target_probs, draft_probs, uniforms, valid)
     return emit_and_complete(tables, tokens, path, length, nxt, g), length
 
 
@@ -186,7 +194,22 @@ def chain_case(seed: int):
     short = torch.rand(B, generator=g) < 1 / 3
     drafts = torch.stack([x1, torch.where(short, -1, x2)], dim=1)
     q = torch.stack([t.Q1.expand(B, V), t.Q2[x1]], dim=1)
-    tree = DraftTree.chain(torch.zeros(B, dtype=torch.int64), drafts, q)
+    tree = DraftTree.chain(torch.zeros(B, dtype=torch.int64), drafts, full_vocab(q))
+    return t, tree.tokens, tree.parents, tree.draft_probs, tree.valid
+
+
+def sparse_chain_case(seed: int, k: int = 3):
+    """Chains as in :func:`chain_case`, each token drawn from the draft's top-``k`` renormalised, whose
+    ``k`` probabilities travel as :class:`SparseProbs` through the tree (ids in the draft's order)."""
+    t = Tables(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q1 = SparseProbs.top_k(t.Q1.log().expand(B, 1, V), k)
+    x1 = q1.sample(g)[:, 0]
+    q2 = SparseProbs.top_k(t.Q2[x1].log()[:, None], k)
+    x2 = q2.sample(g)[:, 0]
+    short = torch.rand(B, generator=g) < 1 / 3
+    drafts = torch.stack([x1, torch.where(short, -1, x2)], dim=1)
+    tree = DraftTree.chain(torch.zeros(B, dtype=torch.int64), drafts, SparseProbs.cat([q1, q2]))
     return t, tree.tokens, tree.parents, tree.draft_probs, tree.valid
 
 
@@ -232,6 +255,7 @@ def iid_siblings_case(seed: int):
 
 CASES = {
     "chain": lambda s: chain_case(s),
+    "sparse-chain": lambda s: sparse_chain_case(s),
     "deterministic-tree": lambda s: deterministic_tree_case(s, zero_probs=False),
     "deterministic-tree-zero-q": lambda s: deterministic_tree_case(s, zero_probs=True),
     "iid-siblings": lambda s: iid_siblings_case(s),
@@ -248,8 +272,10 @@ def planted(bug: str):
     """A recursive rejection sampler with one deliberate mistake (``bug``), same signature as the kernel;
     ``bug="none"`` is the correct rule (a control: the harness passes it)."""
 
-    def verify(tokens, parents, target_probs, draft_probs, uniforms, valid=None):
+    def verify(tokens, parents, target_probs, draft_probs, uniforms, valid=None, draft_ids=None):
         b, t = tokens.shape
+        if draft_ids is not None:
+            draft_probs = SparseProbs(draft_ids, draft_probs).dense(target_probs.shape[-1])
         rows = torch.arange(b)
         current = torch.zeros(b, dtype=torch.int64)
         p = target_probs[:, 0].clone()
@@ -313,6 +339,7 @@ def test_planted_harness_without_bug_passes(case):
 @pytest.mark.parametrize("bug,case", [
     ("resample_from_p", "chain"),
     ("onehot_residual", "chain"),
+    ("onehot_residual", "sparse-chain"),
     ("no_renorm", "iid-siblings"),
     ("forget_earlier_rejections", "deterministic-tree"),
 ])
@@ -449,7 +476,8 @@ def accept_leaf_untested(verifier: Verifier, tree: DraftTree, logits: torch.Tens
     its parent ends the path, without the ``min(1, p/q)`` test against the parent's distribution."""
     t = tree.size
     drafts = torch.where(tree.valid, tree.tokens, -1)[:, 1:-1]
-    trunc = DraftTree.chain(tree.tokens[:, 0], drafts, tree.draft_probs[:, 1:-1])
+    q = tree.draft_probs
+    trunc = DraftTree.chain(tree.tokens[:, 0], drafts, SparseProbs(q.ids[:, 1:-1], q.probs[:, 1:-1]))
     res = verifier.verify(trunc, logits)  # the chain without its last node, with the bonus token
     out = torch.cat([res.emitted(trunc), torch.full_like(res.path[:, :1], -1)], dim=1)
     take = (res.path_len == t - 1) & tree.valid[:, t - 1]
@@ -473,7 +501,7 @@ def run_no_bonus(verify, seed: int):
     x2 = sample(tables.Q2[x1], g)
     full = torch.rand(B, generator=g) >= 1 / 3
     drafts = torch.stack([x1, torch.where(full, x2, -1)], dim=1)
-    tree = DraftTree.chain(torch.zeros(B, dtype=torch.int64), drafts, torch.stack([tables.Q1.expand(B, V), tables.Q2[x1]], 1))
+    tree = DraftTree.chain(torch.zeros(B, dtype=torch.int64), drafts, full_vocab(torch.stack([tables.Q1.expand(B, V), tables.Q2[x1]], 1)))
     # logits: log of the target's distributions (softmax at temperature 1 gives them back, zeros at -inf).
     out1, n1 = verify(verifier, tree, torch.stack([tables.P0.expand(B, V), tables.P1[x1]], dim=1).log())
     seq = torch.full((B, 3), -1, dtype=torch.int64)
@@ -486,7 +514,7 @@ def run_no_bonus(verify, seed: int):
     y2 = sample(tables.Q2[y1], g)
     drafts2 = torch.stack([y1, torch.where(n == 1, y2, -1)], dim=1)
     root2 = seq.gather(1, (n - 1)[:, None]).squeeze(1)
-    tree2 = DraftTree.chain(root2, drafts2, torch.stack([tables.Q1.expand(B, V), tables.Q2[y1]], dim=1))
+    tree2 = DraftTree.chain(root2, drafts2, full_vocab(torch.stack([tables.Q1.expand(B, V), tables.Q2[y1]], dim=1)))
     after_y1 = torch.where((n == 1)[:, None], torch.stack([seq[:, 0], y1], dim=1), seq[:, :2])
     logits2 = torch.stack([target_after(tables, seq, n), target_after(tables, after_y1, n + 1)], dim=1).log()
     out2, n2 = verify(verifier, tree2, logits2)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.kernels import pack_mask, tree_depth, unpack_mask
-from specdec.tree import DraftTree, ancestor_mask
+from specdec.tree import DraftTree, SparseProbs, ancestor_mask
 from tests.naive import ancestors_or_self, naive_pack, one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -366,11 +366,13 @@ def test_chain_without_drafts_and_with_probs():
     tree = DraftTree.chain(torch.tensor([3, 4]))
     assert tree.size == 1 and tree.tokens.tolist() == [[3], [4]] and tree.valid.all()
     assert tree.parents.tolist() == [[-1], [-1]] and tree.depth.tolist() == [[0], [0]]
-    probs = torch.rand(2, 3, 7)
+    probs = SparseProbs.top_k(torch.randn(2, 3, 7), 4)
     tree = DraftTree.chain(torch.tensor([3, 4]), torch.tensor([[1, 2, 3], [4, -1, -1]]), probs)
-    assert tree.draft_probs.shape == (2, 4, 7)
-    assert torch.equal(tree.draft_probs[:, 0], torch.zeros(2, 7))
-    assert torch.equal(tree.draft_probs[:, 1:], probs)
+    assert tree.draft_probs.ids.shape == (2, 4, 4)
+    assert torch.equal(tree.draft_probs.probs[:, 0], torch.zeros(2, 4))  # the root: a one-hot row
+    assert torch.equal(tree.draft_probs.ids[:, 0], torch.full((2, 4), -1))
+    assert torch.equal(tree.draft_probs.probs[:, 1:], probs.probs)
+    assert torch.equal(tree.draft_probs.ids[:, 1:], probs.ids)
 
 
 @settings(max_examples=40, deadline=None)
@@ -394,3 +396,81 @@ def test_chain_matches_naive(rows):
 def test_from_parents_rejects_a_second_or_missing_root(parents):
     with pytest.raises(ValueError, match="root|parent"):
         DraftTree.from_parents(torch.tensor([[7, 8, 9]]), torch.tensor(parents))
+
+
+# ----------------------------------------------------------------------------------------
+# Sparse proposals through the tree constructors
+# ----------------------------------------------------------------------------------------
+
+
+def test_sparse_probs_top_k_is_the_renormalised_head():
+    logits = torch.randn(3, 2, 11)
+    logits[0, 0, 4] = float("-inf")  # a filtered id gets probability 0
+    q = SparseProbs.top_k(logits, 4)
+    want = torch.softmax(logits, -1)
+    top = want.topk(4, dim=-1)
+    assert torch.equal(q.ids, top.indices)
+    torch.testing.assert_close(q.probs, top.values / top.values.sum(-1, keepdim=True))
+    assert SparseProbs.top_k(logits, 50).k == 11  # k clamps to the vocabulary
+    with pytest.raises(ValueError, match=r"\[B, T, K\]"):
+        SparseProbs(q.ids, q.probs[..., :2])
+
+
+def test_sparse_probs_sample_follows_the_distribution():
+    q = SparseProbs(torch.tensor([[[7, 2, 9]]]).expand(20000, 1, 3), torch.tensor([[[0.5, 0.3, 0.2]]]).expand(20000, 1, 3))
+    draws = q.sample(torch.Generator().manual_seed(0))[:, 0]
+    freq = torch.stack([(draws == i).float().mean() for i in (7, 2, 9)])
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.02)
+    assert SparseProbs.one_hot(2, 3).sample().tolist() == [[-1] * 3] * 2  # nothing to draw from
+
+
+def test_sparse_probs_cat_pads_and_map_ids():
+    a = SparseProbs(torch.tensor([[[1, 2]]]), torch.tensor([[[0.5, 0.5]]]))
+    b = SparseProbs(torch.tensor([[[3, 0, -1]]]), torch.tensor([[[0.7, 0.3, 0.0]]]))
+    c = SparseProbs.cat([a, b])
+    assert c.ids.tolist() == [[[1, 2, -1], [3, 0, -1]]] and c.probs[0, 0].tolist() == [0.5, 0.5, 0.0]
+    mapped = c.map_ids(torch.tensor([10, 11, 12, 13]))
+    assert mapped.ids.tolist() == [[[11, 12, -1], [13, 10, -1]]]
+    assert c.dense(5)[0].tolist() == [[0, .5, .5, 0, 0], [pytest.approx(.3), 0, 0, pytest.approx(.7), 0]]
+
+
+def _cell_probs(b: int, cells: int, k: int = 3) -> SparseProbs:
+    """Distinct proposals per cell: cell c of row r puts its mass on ids ``100 * r + c`` and beyond."""
+    base = 100 * torch.arange(b)[:, None, None] + torch.arange(cells)[None, :, None]
+    return SparseProbs(base * 10 + torch.arange(k), torch.softmax(torch.randn(b, cells, k), -1))
+
+
+def test_from_chains_carries_each_node_its_first_chains_proposal():
+    root = torch.tensor([0, 0])
+    chains = [[[5, 6], [5, 7, 8]], [[9]]]  # row 0: node "5" is shared; its proposal is chain 0's
+    probs = _cell_probs(2, 2 * 3)  # C = 2 chains of at most L = 3 tokens
+    tree = DraftTree.from_chains(root, chains, probs)
+    # Row 0 nodes: root, 5 (cell 0), 6 (cell 1), 7 (cell 3 + 1 = 4), 8 (cell 5); row 1: root, 9 (cell 0).
+    cells = [[-1, 0, 1, 4, 5], [-1, 0, -1, -1, -1]]
+    for r in range(2):
+        for i, c in enumerate(cells[r]):
+            if c < 0:
+                assert bool((tree.draft_probs.probs[r, i] == 0).all()) and bool((tree.draft_probs.ids[r, i] == -1).all())
+            else:
+                assert torch.equal(tree.draft_probs.ids[r, i], probs.ids[r, c])
+                assert torch.equal(tree.draft_probs.probs[r, i], probs.probs[r, c])
+
+
+def test_from_drafts_and_select_carry_proposals():
+    drafts = torch.tensor([[[4, 5, -1], [4, 6, 7]], [[8, -1, -1], [-1, -1, -1]]])
+    probs = _cell_probs(2, 6)
+    tree, _, slot = DraftTree.from_drafts(torch.tensor([1, 2]), drafts, draft_probs=probs)
+    for r in range(2):
+        for i in range(tree.size):
+            c = int(slot[r, i])
+            want_ids = probs.ids[r, c] if c >= 0 else torch.full((3,), -1)
+            assert torch.equal(tree.draft_probs.ids[r, i], want_ids)
+    keep = torch.zeros_like(tree.valid)
+    keep[:, :3] = True
+    sub, old = tree.select(keep)
+    for r in range(2):
+        for i in range(sub.size):
+            if sub.valid[r, i]:
+                assert torch.equal(sub.draft_probs.ids[r, i], tree.draft_probs.ids[r, old[r, i]])
+            else:
+                assert bool((sub.draft_probs.probs[r, i] == 0).all())

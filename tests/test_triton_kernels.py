@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 import specdec.kernels as K
 from specdec.kernels import _dispatch, reference
-from specdec.tree import ancestor_mask
+from specdec.tree import SparseProbs, ancestor_mask
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
@@ -294,6 +294,37 @@ def test_tree_verify_greedy_nan_and_all_inf():
     got = K.tree_verify_greedy(tokens.to(DEVICE), parents.to(DEVICE), logits.to(DEVICE), backend="triton")
     want = reference.tree_verify_greedy(tokens, parents, logits)
     assert all(torch.equal(x.cpu(), y) for x, y in zip(got, want))
+
+
+def sparse_proposals(b: int, t: int, v: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B,T,k]`` distinct random ids (a few -1 entries) and probabilities (0 there), every other node
+    all zero (one-hot)."""
+    ids = torch.rand(b, t, v, generator=g).argsort(-1)[..., :k]
+    probs = torch.softmax(torch.randn(b, t, k, generator=g) * 2, -1)
+    unused = torch.rand(b, t, k, generator=g) < 0.2
+    ids, probs = ids.masked_fill(unused, -1), probs.masked_fill(unused, 0.0)
+    probs[:, ::2] = 0.0
+    return ids, probs
+
+
+@settings(FAST, max_examples=20)
+@given(case=trees(), k=st.integers(1, 12), u64=st.booleans())
+def test_tree_verify_sampling_sparse_matches_reference(case, k, u64):
+    """Proposals over a few ids per node (SparseProbs), as the drafters hand them to verification."""
+    parents, tokens, v, valid, seed = case
+    g = gen(seed + 3)
+    b, t = tokens.shape
+    target = torch.softmax(torch.randn(b, t, v, generator=g) * 2, -1)
+    ids, probs = sparse_proposals(b, t, v, min(k, v), g)
+    # Tokens drawn where the proposals put mass, so both acceptances and rejections occur.
+    drawn = SparseProbs(ids, probs).sample(g)
+    tokens = torch.where(drawn >= 0, drawn, tokens)
+    uniforms = torch.rand(b, t + 1, generator=g, dtype=torch.float64 if u64 else torch.float32)
+    dev = [x.to(DEVICE) if x is not None else None for x in (tokens, parents, target, probs, uniforms, valid, ids)]
+    got = K.tree_verify_sampling(*dev, backend="triton")
+    want = reference.tree_verify_sampling(tokens, parents, target, probs, uniforms, valid, ids)
+    for name, x, y in zip(("path", "length", "next"), got, want):
+        assert x.dtype == y.dtype and torch.equal(x.cpu(), y), (name, x, y)
 
 
 @settings(FAST, max_examples=20)

@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 from specdec.triton_kernels import kv_compact, topk_entropy, tree_attention, tree_verify
 
 FLOAT_SCALARS = {"qk_scale", "temperature"}
-SIZE_SCALARS = {"B", "HQ", "T", "S", "D", "N", "V"}  # upper-case, but not pointers
+SIZE_SCALARS = {"B", "HQ", "T", "S", "D", "N", "V", "KD"}  # upper-case, but not pointers
 
 
 def signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
@@ -63,10 +63,10 @@ def variants(full: bool):
     yield tree_verify._argmax_kernel, {"LOGITS": "*bf16", "PRED": "*i64"}, dict(ROWS=2, BLOCK_V=block_v)
     ints = {p: "*i64" for p in ("TOKENS", "PARENTS", "PRED", "PATH", "NEXT")}
     yield tree_verify._greedy_walk_kernel, {**ints, "VALID": "*u8", "LEN": "*i32"}, dict(HAS_VALID=True, BLOCK_T=64)
-    for has_draft, u in ((True, "*fp64"), (False, "*fp32")):
+    for has_draft, has_ids, u in ((True, False, "*fp64"), (True, True, "*fp32"), (False, False, "*fp32")):
         yield tree_verify._sampling_walk_kernel, {**ints, "VALID": "*u8", "LEN": "*i32", "TARGET": "*bf16",
-                                                  "DRAFT": "*fp16", "U": u}, dict(
-            HAS_VALID=True, HAS_DRAFT=has_draft, BLOCK_T=16, BLOCK_V=block_v)
+                                                  "DRAFT": "*fp16", "IDS": "*i64", "U": u}, dict(
+            HAS_VALID=True, HAS_DRAFT=has_draft, HAS_IDS=has_ids, BLOCK_T=16, BLOCK_V=block_v)
 
 
 def main(capability: int = 90, full: bool = False) -> None:

@@ -7,15 +7,17 @@ import torch
 
 from specdec.drafters.base import Budget, DecodeState, Drafter
 from specdec.model import ModelRunner
-from specdec.tree import DraftTree
-from specdec.verify import SamplingConfig, processed_probs
+from specdec.tree import DraftTree, SparseProbs
+from specdec.verify import SamplingConfig, processed_logits
 
 
 class DraftModelDrafter(Drafter):
     """Drafts ``k`` tokens one forward at a time with its own preallocated cache.
 
-    Greedy: the draft's argmax (deterministic proposals). Sampling: tokens drawn from the draft's
-    processed distribution ``q``, which is handed to verification so rejection sampling stays exact.
+    Greedy: the draft's argmax (deterministic proposals). Sampling: tokens drawn from ``q``, the
+    draft's processed distribution restricted to its ``proposal_topk`` most likely tokens and
+    renormalised; ``q`` travels to verification as those ``k`` probabilities per node
+    (:class:`SparseProbs`), so rejection sampling stays exact without a vocabulary-wide row per node.
     The draft cache keeps every committed token it has seen; after verification it rolls back to
     the accepted prefix, so each step feeds it only the 1-2 tokens it has not seen yet.
 
@@ -25,12 +27,15 @@ class DraftModelDrafter(Drafter):
 
     Reduced-vocabulary drafts (a ``draft_vocab [Vd]`` buffer of target ids and a ``reduced_logits()``
     context, as ``specdec distill`` makes) run in their cheap mode: argmax / sampling over the draft
-    vocabulary, mapped back to target ids; ``q`` handed to verification is zero outside it.
+    vocabulary, mapped back to target ids.
     """
 
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig):
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, proposal_topk: int = 64):
+        if proposal_topk < 1:
+            raise ValueError(f"proposal_topk must be >= 1, got {proposal_topk}")
         self.runner = runner
         self.sampling = sampling
+        self.proposal_topk = proposal_topk
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed((sampling.seed if sampling.seed is not None else torch.seed()) + 7919)
         self._seen: list[int] = []  # host mirror of the draft cache lengths
@@ -45,18 +50,18 @@ class DraftModelDrafter(Drafter):
         self.runner.reset(b, state.seq.shape[1] + 8)
         self._seen = [0] * b
 
-    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, SparseProbs | None]:
+        """The drafted token ``[B]`` (target ids) from the draft's logits ``[B, V]`` and, when sampling,
+        the proposal it was drawn from (``[B, 1, k]``)."""
         if self.sampling.greedy:
             tok = logits.argmax(-1)
             return (tok if self.vocab_map is None else self.vocab_map[tok]), None
-        q = processed_probs(logits, self.sampling)
-        tok = torch.multinomial(q, 1, generator=self.generator).squeeze(1)
-        if self.vocab_map is None:
-            return tok, q
-        # Same distribution as over full logits with -inf outside the draft vocabulary (temperature,
-        # top-k and top-p never select a -inf logit), scattered back to target ids.
-        full = q.new_zeros(q.shape[0], self.target_vocab).index_copy_(1, self.vocab_map, q)
-        return self.vocab_map[tok], full
+        # Over a reduced vocabulary this is the distribution over full logits with -inf outside it
+        # (temperature, top-k and top-p never select a -inf logit), then mapped back to target ids.
+        q = SparseProbs.top_k(processed_logits(logits, self.sampling)[:, None], self.proposal_topk)
+        if self.vocab_map is not None:
+            q = q.map_ids(self.vocab_map)
+        return q.sample(self.generator)[:, 0], q
 
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         with self._mode():
@@ -107,7 +112,7 @@ class DraftModelDrafter(Drafter):
                              [s + 1 for s in self._seen])
                 self.draft_calls += 1
         drafts = torch.stack(tokens, dim=1)
-        q = None if self.sampling.greedy else torch.stack(probs, dim=1)
+        q = None if self.sampling.greedy else SparseProbs.cat(probs)
         return DraftTree.chain(state.roots, drafts, q)
 
     def _catch_up_inputs(self, positions: torch.Tensor) -> dict | None:

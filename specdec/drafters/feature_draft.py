@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import DecodeState
+from specdec.drafters.base import Budget, DecodeState
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.model import ModelRunner
+from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig
 
 
@@ -27,8 +28,8 @@ class FeatureDraftDrafter(DraftModelDrafter):
 
     needs_hidden = True
 
-    def __init__(self, runner: ModelRunner, sampling: SamplingConfig):
-        super().__init__(runner, sampling)
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig, proposal_topk: int = 64):
+        super().__init__(runner, sampling, proposal_topk)
         self._proposed_at: list[int] = []
 
     def begin(self, state: DecodeState) -> None:
@@ -39,9 +40,9 @@ class FeatureDraftDrafter(DraftModelDrafter):
         self._nfeat = torch.zeros(b, dtype=torch.int64, device=state.seq.device)
         self._proposed_at = [0] * b
 
-    def propose(self, state: DecodeState, max_len: int):
+    def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         self._proposed_at = list(state.seq_lens_host)  # positions below it are read with the target's states
-        return super().propose(state, max_len)
+        return super().propose(state, budget)
 
     def add_hidden(self, hidden: torch.Tensor, counts: torch.Tensor) -> None:
         b, n, _ = hidden.shape

@@ -300,6 +300,7 @@ def tree_verify_sampling(
     draft_probs: torch.Tensor | None,
     uniforms: torch.Tensor,
     valid: torch.Tensor | None = None,
+    draft_ids: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless sampling acceptance (recursive rejection sampling) over a draft tree.
@@ -307,18 +308,27 @@ def tree_verify_sampling(
     Args:
         tokens, parents, valid: as in :func:`tree_verify_greedy`.
         target_probs: ``[B, T, V]`` float, the target's processed distribution at every node.
-        draft_probs: ``[B, T, V]`` float, the distribution node ``i`` was drawn from, or None
-            (deterministic drafts: one-hot proposals).
+        draft_probs: ``[B, T, K]`` float, the distribution node ``i`` was drawn from, over the ids
+            ``draft_ids [B, T, K]`` int64 (distinct per node, -1 with probability 0 at unused
+            entries; see :class:`specdec.tree.SparseProbs`), or ``[B, T, V]`` over the whole
+            vocabulary when ``draft_ids`` is None, or None (deterministic drafts: one-hot
+            proposals). An all-zero row is a one-hot proposal too.
         uniforms: ``[B, T + 1]`` uniform [0, 1) draws (one per node, the last for the final sample).
     Returns:
         path ``[B, T]`` int64, length ``[B]`` int32, next token ``[B]`` int64.
     """
     _check(tokens.shape == parents.shape and target_probs.shape[:2] == tokens.shape, "tokens/parents [B,T], probs [B,T,V]")
     _check(uniforms.shape == (tokens.shape[0], tokens.shape[1] + 1), "uniforms must be [B, T+1]")
+    if draft_probs is not None:
+        _check(draft_probs.shape[:2] == tokens.shape, "draft_probs must be [B, T, K]")
+        _check(draft_ids is not None or draft_probs.shape[2] == target_probs.shape[2],
+               "draft_probs without draft_ids must cover the whole vocabulary [B, T, V]")
+    _check(draft_ids is None or (draft_probs is not None and draft_ids.shape == draft_probs.shape),
+           "draft_ids must match draft_probs [B, T, K]")
     if choose("tree_verify_sampling", tokens.device, backend, (), triton=True) == "triton":
         return triton_kernels("tree_verify").tree_verify_sampling(tokens, parents, target_probs, draft_probs,
-                                                                  uniforms, valid)
-    return reference.tree_verify_sampling(tokens, parents, target_probs, draft_probs, uniforms, valid)
+                                                                  uniforms, valid, draft_ids)
+    return reference.tree_verify_sampling(tokens, parents, target_probs, draft_probs, uniforms, valid, draft_ids)
 
 
 def draft_tree(

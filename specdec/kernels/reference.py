@@ -437,6 +437,7 @@ def tree_verify_sampling(
     draft_probs: torch.Tensor | None,
     uniforms: torch.Tensor,
     valid: torch.Tensor | None = None,
+    draft_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless acceptance over a draft tree by recursive rejection sampling.
 
@@ -450,7 +451,9 @@ def tree_verify_sampling(
 
     tokens, parents: ``[B,T] int64`` as in :func:`tree_verify_greedy`; target_probs: ``[B,T,V]``
     float (the target's processed next-token distribution at every node); draft_probs:
-    ``[B,T,V]`` or None; uniforms: ``[B,T+1]`` in [0,1) (one per node, the last for the final
+    ``[B,T,K]`` float over the ids ``draft_ids [B,T,K] int64`` (distinct per node, -1 at unused
+    entries, whose probability must be 0), or over the whole vocabulary (``K = V``) when
+    ``draft_ids`` is None, or None; uniforms: ``[B,T+1]`` in [0,1) (one per node, the last for the final
     sample); valid: ``[B,T] bool``. Returns path ``[B,T] int64``, length ``[B] int32``, next token
     ``[B] int64``.
     """
@@ -472,6 +475,9 @@ def tree_verify_sampling(
             q = onehot
         else:
             q = draft_probs[:, i].float()
+            if draft_ids is not None:
+                ids = draft_ids[:, i]
+                q = torch.zeros_like(p).scatter_add_(1, ids.clamp(min=0), q.masked_fill(ids < 0, 0.0))
             q = torch.where((q.sum(-1) > 0)[:, None], q, onehot)
         px, qx = p[rows, x], q[rows, x]
         accept = consider & (uniforms[:, i] * qx < px)

@@ -9,7 +9,7 @@ import torch
 
 from specdec.policies.acceptance import AcceptanceModel
 from specdec.policies.cost import StepCost
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, SparseProbs
 
 
 def best_length(acceptance: AcceptanceModel, cost: StepCost, signal: int, max_k: int) -> int:
@@ -73,7 +73,9 @@ def prune(tree: DraftTree, cost: StepCost) -> DraftTree:
         keep = _chain_sizes(tree.accept.tolist(), tree.num_drafted.tolist(), cost, cost.explore())
         t = 1 + max(1, max(keep))  # the root and the longest kept chain (one slot at least, as before planning)
         cut = torch.arange(t, device=tree.tokens.device)[None] > torch.tensor(keep, device=tree.tokens.device)[:, None]
-        probs = tree.draft_probs[:, :t] if tree.draft_probs is not None else None
+        probs = None
+        if tree.draft_probs is not None:
+            probs = SparseProbs(tree.draft_probs.ids[:, :t], tree.draft_probs.probs[:, :t])
         # Copies with standard strides: a compiled forward is specialised on its inputs' strides, and a
         # one-row slice counts as contiguous while keeping its parent's row stride.
         fresh = lambda x: x[:, :t].clone(memory_format=torch.contiguous_format)  # noqa: E731
