@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 from specdec import methods
 from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate
 from specdec.draft_models import is_feature_draft
-from specdec.hub import DEFAULT_MODEL, cache_dir, load_model, tables_cache_dir
+from specdec.hub import DEFAULT_MODEL, DRAFTS, cache_dir, load_model, tables_cache_dir
 from specdec.model import ModelRunner
 from specdec.ngram_corpus import NGramCorpus, shipped_corpus, vocab_fingerprint
 from specdec.ngram_tables import NGramTables, load_tables
@@ -98,6 +98,9 @@ class SpecDecoder:
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None
         self._acceptance: dict = {}  # acceptance tables learned across calls: one model, one workload
+        self._draft_seconds: dict[str, float] = {}
+        self._references: dict[tuple[int, ...], list[int]] = {}  # the oracle's greedy reference runs
+        self._reference_len: dict[tuple[int, ...], int] = {}  # the max_new_tokens each was run for
         self._ngram_tables: NGramTables | None = None
         if isinstance(corpus, Path) or (isinstance(corpus, str) and corpus != "auto"):
             corpus = NGramCorpus.load(corpus)
@@ -167,6 +170,41 @@ class SpecDecoder:
             self._step_cost = StepCost.calibrate(self.runner)
         return self._step_cost
 
+    def draft_names(self) -> list[str]:
+        """The loaded drafts' names, the default first."""
+        return list(self.drafts)
+
+    def draft_seconds(self, name: str | None = None) -> float:
+        """Seconds of one draft forward (one token), measured on first use per draft."""
+        name = name or self.draft_names()[0]
+        if name not in self._draft_seconds:
+            self._draft_seconds[name] = StepCost.calibrate(self.get_draft(name)[1], sizes=(1,))(1)
+        return self._draft_seconds[name]
+
+    def disco_path(self, name: str) -> Path:
+        """The DISCO classifier shipped with draft ``name`` (``disco/disco.pt`` in its folder, beside ``disco/summary.json``)."""
+        if name not in DRAFTS:
+            raise ValueError(f"no DISCO classifier ships with draft {name!r}: train one with `specdec train-disco` "
+                             f"and pass it as disco=PATH (--disco PATH)")
+        return DRAFTS[name] / "disco" / "disco.pt"
+
+    def reference_tokens(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """The target's own greedy continuation of ``prompt`` (``ar``, this decoder's dtype), memoised:
+        the reference the ``oracle`` schedule follows."""
+        key = tuple(prompt)
+        if self._reference_len.get(key, -1) < max_new_tokens:  # a run may end early, at an EOS
+            self._references[key] = self.generate_ids([list(prompt)], "ar", max_new_tokens).tokens[0]
+            self._reference_len[key] = max_new_tokens
+        return self._references[key]
+
+    def references(self) -> dict[tuple[int, ...], list[int]]:
+        """Every reference run so far (prompt tuple -> new tokens)."""
+        return self._references
+
+    def reset_learned(self) -> None:
+        """Forget what methods learned across calls (acceptance tables, DISCO calibration), for a fair start."""
+        self._acceptance.clear()
+
     def acceptance(self, key: tuple, make):
         """The acceptance table stored under ``key``, made by ``make()`` on first use: methods learn
         acceptance across calls (one decoder, one workload), one table per method and option set."""
@@ -204,6 +242,8 @@ class SpecDecoder:
                 raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if spec.build is None:
             return autoregressive_generate(self.runner, prompts, max_new_tokens, sampling, self.eos)
+        if spec.prepare is not None:
+            spec.prepare(self, opts, prompts, max_new_tokens, sampling)
         drafter, policy = spec.build(self, opts, sampling)
         return speculative_generate(self.runner, drafter, prompts, max_new_tokens, sampling, self.eos, policy)
 

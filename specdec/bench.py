@@ -60,6 +60,16 @@ def _run_one(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, samp
     return res.tokens[0], res.stats
 
 
+def _prepare(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
+    """A method's per-prompt preparation (``Method.prepare``), outside the timed region."""
+    method, own = parse_label(label)
+    if method in HF_METHODS:
+        return
+    spec = methods.get(method)
+    if spec.prepare is not None:
+        spec.prepare(dec, spec.parse({**options.get(method, {}), **own}), [prompt], max_new, sampling)
+
+
 def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), options: dict | None = None,
               config: dict | None = None, progress: bool = True) -> dict:
@@ -103,6 +113,8 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
         order = labels[i % len(labels):] + labels[: i % len(labels)]
         # hf runs first on its prompt only if it rotates there; identity is checked after the loop.
         for m in order:
+            _prepare(dec, m, p.ids, max_new_tokens, sampling, options)  # untimed (the oracle's reference run)
+            target_calls.take(), draft_calls.take()  # its forwards are not the method's
             compiled_before = dec.runner.compiled_calls
             t0 = time.perf_counter()
             tokens, stats = _run_one(dec, m, p.ids, max_new_tokens, sampling, options)

@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate``, ``bench``, ``distill`` and ``ngram-corpus``."""
+"""Command line: ``specdec generate``, ``bench``, ``distill``, ``train-disco`` and ``ngram-corpus``."""
 from __future__ import annotations
 
 import argparse
@@ -177,6 +177,16 @@ def cmd_distill(args) -> int:
     return 0
 
 
+def cmd_train_disco(args) -> int:
+    from specdec.distill.disco import run_train_disco
+
+    summary = run_train_disco(args)
+    v = summary["validation"]
+    print(json.dumps({"out": args.out, "validation_auc": v["auc"], "tuned": summary["tuned"],
+                      "seconds": summary["seconds"]}, indent=1))
+    return 0
+
+
 def cmd_ngram_corpus(args) -> int:
     from specdec.api import SpecDecoder
     from specdec.ngram_corpus import generate_corpus
@@ -245,6 +255,33 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("distill", help="train a small draft model from the target's own generations")
     _distill_args(d)
     d.set_defaults(func=cmd_distill)
+
+    t = sub.add_parser("train-disco", help="label teacher-forced data and train DISCO's stop classifier for a draft")
+    t.add_argument("--target", default=DEFAULT_MODEL, help="target model (name or folder)")
+    t.add_argument("--draft", required=True, help="the draft the classifier is for (name or folder)")
+    t.add_argument("--prompts", required=True, help="training prompts (JSON lines); never the dev prompts")
+    t.add_argument("--out", required=True, help="folder for disco.pt and summary.json")
+    t.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="of target and draft (labels, and the step costs the tuning simulates)")
+    t.add_argument("--linear", default="auto", choices=list(LINEAR_KERNELS))
+    t.add_argument("--max-new-tokens", type=int, default=128, help="reply length (replies come from the shipped "
+                   "n-gram corpus where it holds them, else from ar)")
+    t.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    t.add_argument("--exclude", default=None, help="prompts (JSON lines) to leave out, e.g. the dev prompts")
+    t.add_argument("--labels", default="hard", choices=["hard", "soft"],
+                   help="hard: draft argmax == target argmax (greedy acceptance); soft: 1 - TV(draft, target)")
+    t.add_argument("--hidden", type=int, default=32, help="classifier width")
+    t.add_argument("--epochs", type=int, default=300)
+    t.add_argument("--sim-length", type=int, default=8, help="static draft length of the simulated run that gives "
+                   "each position its depth feature")
+    t.add_argument("--validation", default="hash", choices=["hash", "distill-held-out"],
+                   help="the prompts that tune threshold and length: a hash split (--val-fraction), or the prompts "
+                        "the draft's distillation held out (a distilled draft memorised the others)")
+    t.add_argument("--val-fraction", type=float, default=0.2, help="hash split: share of prompts held out")
+    t.add_argument("--leave-one-out", action="store_true", help="also report leave-one-category-out ROC-AUC")
+    t.add_argument("--transfer", default=None, help="a classifier trained for another draft: report its ROC-AUC "
+                   "on this draft's validation data")
+    t.set_defaults(func=cmd_train_disco)
 
     args = parser.parse_args(argv)
     try:

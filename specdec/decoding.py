@@ -172,7 +172,7 @@ def speculative_generate(
     out.add_each(first.tolist())
     with _timed(stats, "draft_s"):
         drafter.begin(state)
-        policy.begin(len(prompts))
+        policy.begin(len(prompts), state)
         if drafter.needs_hidden:
             drafter.add_hidden(prompt_hidden, state.seq_lens - 1)
     while not all(out.done):

@@ -24,16 +24,17 @@ from specdec.drafters.feature_draft import FeatureDraftDrafter
 from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES
 from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance, StaticLength,
                               StepCost)
+from specdec.policies.disco import DiscoClassifier, DiscoStop, OracleStop, PlattCalibration, draft_fingerprint
 from specdec.verify import SamplingConfig
 
 
 def option(default, help: str, choices: tuple | None = None, flag: str | None = None, cli: bool = True,
-           low: float | None = 1, high: float | None = None):
+           low: float | None = 1, high: float | None = None, closed: bool = False):
     """A method option: a dataclass field with its help text, allowed values (``choices``, or numbers in
-    ``[low, high)``; ``low=None`` for no bound), and CLI flag (default ``--name-with-dashes``;
-    ``cli=False`` keeps it to bench labels and Python)."""
+    ``[low, high)``, ``[low, high]`` when ``closed``; ``low=None`` for no bound), and CLI flag (default
+    ``--name-with-dashes``; ``cli=False`` keeps it to bench labels and Python)."""
     return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "cli": cli,
-                                            "low": low, "high": high})
+                                            "low": low, "high": high, "closed": closed})
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,19 @@ class PLDOptions:
 @dataclass(frozen=True)
 class SDOptions:
     draft_length: int = option(5, "draft tokens per step (heuristic: the starting length)")
-    schedule: str = option("static", "static, or heuristic (transformers' schedule: +2 after a fully "
-                                     "accepted draft, else -1)", ("static", "heuristic"))
+    schedule: str = option("static", "static; heuristic (transformers' schedule: +2 after a fully accepted draft, "
+                                     "else -1); disco (a trained classifier stops each row's draft, see "
+                                     "--disco-mode); oracle (benchmarks only, greedy: drafts until the first token "
+                                     "the target's own greedy run disagrees with)",
+                           ("static", "heuristic", "disco", "oracle"))
+    disco_mode: str = option("paper", "disco: paper (go on while the calibrated acceptance probability >= "
+                                      "--disco-threshold) or cost (go on while one more token pays for its draft "
+                                      "and verification cost, measured)", ("paper", "cost"))
+    disco_threshold: float | None = option(None, "disco paper mode: the threshold (default: the classifier's, tuned "
+                                                 "on a validation split)", low=0.0, high=1.0, closed=True)
+    max_draft_length: int | None = option(None, "disco/oracle: the longest draft (default: disco the classifier's "
+                                                "tuned maximum, oracle 32)")
+    disco: str | None = option(None, "disco: the classifier file (default: the one shipped with the draft)")
     confidence: float = option(0.0, "stop a row's draft once the draft's top-1 probability falls below this "
                                     "(transformers' assistant_confidence_threshold; 0: off)", low=0.0, high=1.0)
     proposal_topk: int = option(64, "sampling: the draft samples from its k most likely tokens (renormalised), and "
@@ -84,6 +96,9 @@ class Method:
     """A decoding method.
 
     build: ``(dec, options, sampling) -> (drafter, policy)``; None for plain autoregressive decoding.
+    prepare: ``(dec, options, prompts, max_new_tokens, sampling) -> None``, work a method needs done for
+    these prompts before it decodes (the oracle's reference runs); benchmarks call it outside the timed
+    region, ``generate_ids`` before every call (it must be cheap when repeated).
     """
 
     name: str
@@ -91,6 +106,7 @@ class Method:
     options: type = NoOptions
     needs_draft: bool = False
     build: Callable[[Any, Any, SamplingConfig], tuple] | None = None
+    prepare: Callable[[Any, Any, list[list[int]], int, SamplingConfig], None] | None = None
 
     def parse(self, given: dict) -> Any:
         """The options dataclass from ``given`` (name -> value; strings from labels are converted to
@@ -136,8 +152,10 @@ def _convert(method: str, f: dataclasses.Field, kind: type, value):
         raise ValueError(f"{method}: option {f.name!r} must be one of {', '.join(map(str, choices))}, got {value!r}")
     low, high = f.metadata.get("low"), f.metadata.get("high")
     if kind in (int, float) and not choices:
-        if high is not None and not low <= out < high:
-            raise ValueError(f"{method}: option {f.name!r} must be in [{low:g}, {high:g}), got {value!r}")
+        closed = f.metadata.get("closed")
+        if high is not None and not (low <= out <= high if closed else low <= out < high):
+            raise ValueError(f"{method}: option {f.name!r} must be in [{low:g}, {high:g}{']' if closed else ')'}, "
+                             f"got {value!r}")
         if low is not None and out < low:
             raise ValueError(f"{method}: option {f.name!r} must be >= {low:g}, got {value!r}")
     return out
@@ -161,8 +179,32 @@ def _build_pld(dec, o: PLDOptions, sampling: SamplingConfig):
 def _build_sd(dec, o: SDOptions, sampling: SamplingConfig):
     draft, runner = dec.get_draft(o.draft)
     cls = FeatureDraftDrafter if is_feature_draft(draft) else DraftModelDrafter
-    stop = ConfidenceStop(o.confidence) if o.confidence > 0 else None
-    return cls(runner, sampling, o.proposal_topk), _length_policy(o.schedule, o.draft_length, 64, stop=stop)
+    drafter = cls(runner, sampling, o.proposal_topk)
+    if o.schedule in ("static", "heuristic"):
+        if o.disco_threshold is not None or o.max_draft_length is not None or o.disco is not None:
+            raise ValueError("disco_threshold, max_draft_length and disco apply to schedule=disco or oracle")
+        stop = ConfidenceStop(o.confidence) if o.confidence > 0 else None
+        return drafter, _length_policy(o.schedule, o.draft_length, 64, stop=stop)
+    if o.confidence > 0:
+        raise ValueError(f"confidence is its own stop rule; schedule={o.schedule} has another")
+    if o.schedule == "oracle":
+        if not sampling.greedy:
+            raise ValueError("the oracle schedule is greedy only (it follows the target's greedy reference run)")
+        return drafter, StaticLength(o.max_draft_length or 32, stop=OracleStop(dec.references()))
+    name = o.draft or dec.draft_names()[0]
+    classifier = DiscoClassifier.load(o.disco or dec.disco_path(name), draft_fingerprint(draft))
+    calibration = dec.acceptance(("disco", name, o.disco), PlattCalibration)  # learned across calls
+    max_len = o.max_draft_length or int(classifier.meta.get("max_length", 8))
+    cost = dec.step_cost() if o.disco_mode == "cost" else None
+    seconds = dec.draft_seconds(name) if o.disco_mode == "cost" else None
+    stop = DiscoStop(classifier, o.disco_mode, o.disco_threshold, calibration, cost, seconds)
+    return drafter, StaticLength(max_len, stop=stop)
+
+
+def _prepare_sd(dec, o: SDOptions, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig):
+    if o.schedule == "oracle":
+        for p in prompts:
+            dec.reference_tokens(p, max_new_tokens)
 
 
 def _build_ngrammys(dec, o: NGrammysOptions, sampling: SamplingConfig):
@@ -200,7 +242,7 @@ def register(method: Method) -> Method:
 
 register(Method("ar", "specdec's own autoregressive loop (preallocated KV cache, one token per target call)"))
 register(Method("sd", "classic speculative decoding with a same-vocabulary draft model (--draft)", SDOptions, True,
-                _build_sd))
+                _build_sd, _prepare_sd))
 register(Method("pld", "prompt lookup: the continuation of the longest matching context n-gram, cut to a "
                        "cost-aware length", PLDOptions, False, _build_pld))
 register(Method("ngrammys", "N-Grammys: k drafts from context n-grams, the n-gram corpus and the model's bigram "

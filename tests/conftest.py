@@ -55,3 +55,31 @@ def tiny_model(arch: str, vocab: int = 96, seed: int = 0, std: float = 0.3):
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param
+
+
+def schedule_variants(method: str) -> list[dict]:
+    """Options that run every schedule a registered method declares (``[{}]`` for a method without
+    one): the identity and sampling tests cover a new schedule without a test of their own."""
+    from specdec import methods
+
+    field = next((f for f in methods.get(method).fields() if f.name == "schedule"), None)
+    return [{}] if field is None else [{"schedule": c} for c in field.metadata["choices"]]
+
+
+def untrained_disco(dec, threshold: float = 0.5, max_length: int = 4) -> str:
+    """A DISCO classifier file for ``dec``'s default draft with random weights (its stops are arbitrary:
+    enough for exactness tests, which must hold whatever the classifier says)."""
+    from specdec.policies.disco import DiscoClassifier, draft_fingerprint
+
+    path = os.path.join(tempfile.mkdtemp(prefix="specdec-disco-"), "disco.pt")
+    torch.manual_seed(0)
+    DiscoClassifier(8, {"draft_fingerprint": draft_fingerprint(dec.get_draft()[0]), "threshold": threshold,
+                        "max_length": max_length}).save(path)
+    return path
+
+
+def runnable(dec, options: dict) -> dict:
+    """``options`` plus what a schedule needs on a decoder of tiny test models (a classifier file for disco)."""
+    if options.get("schedule") == "disco" and "disco" not in options:
+        return {**options, "disco": untrained_disco(dec)}
+    return options

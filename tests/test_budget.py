@@ -22,8 +22,9 @@ class StopRowZeroAt(StopRule):
     def __init__(self, depth: int):
         self.depth, self.calls = depth, []
 
-    def keep_going(self, depth, logits):
+    def keep_going(self, depth, logits, tokens=None):
         self.calls.append((depth, tuple(logits.shape)))
+        assert tokens is not None and tokens.shape == (logits.shape[0],)  # the drafted tokens come along
         go = torch.ones(logits.shape[0], dtype=torch.bool)
         go[0] = depth < self.depth
         return go
@@ -62,7 +63,7 @@ def test_draft_model_honours_per_row_depths_and_stop_rules():
     assert [d for d, _ in stop.calls] == [1, 2, 3, 4] and stop.calls[0][1][0] == 3
     assert drafter.propose(state, Budget([4, 4, 4], stop=StopRowZeroAt(0))).num_drafted.tolist()[0] == 1
     everyone_stops = StopRule()
-    everyone_stops.keep_going = lambda depth, logits: torch.zeros(logits.shape[0], dtype=torch.bool)
+    everyone_stops.keep_going = lambda depth, logits, tokens: torch.zeros(logits.shape[0], dtype=torch.bool)
     calls = drafter.draft_calls
     assert drafter.propose(state, Budget([4, 4, 4], stop=everyone_stops)).num_drafted.tolist() == [1, 1, 1]
     assert drafter.draft_calls == calls + 1  # no draft forward after every row stopped

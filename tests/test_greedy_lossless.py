@@ -9,7 +9,7 @@ import torch
 from specdec import methods
 from specdec.api import SpecDecoder, hf_generate
 from specdec.verify import SamplingConfig
-from tests.conftest import tiny_model
+from tests.conftest import runnable, schedule_variants, tiny_model
 
 GREEDY = SamplingConfig()
 
@@ -93,11 +93,11 @@ def test_ragged_batch_matches_rows_alone(arch, method):
         assert toks == hf_generate(dec.model, p, 20, GREEDY)
 
 
-@pytest.mark.parametrize("method", methods.names())
-def test_every_registered_method_matches_transformers(arch, method):
-    """Every method in the registry, at its default options, on a ragged batch: a method added to
-    the registry is checked here without a test of its own."""
+@pytest.mark.parametrize("method,options", [(m, o) for m in methods.names() for o in schedule_variants(m)])
+def test_every_registered_method_matches_transformers(arch, method, options):
+    """Every method in the registry, with each of its schedules, on a ragged batch: a method or
+    schedule added to the registry is checked here without a test of its own."""
     dec = decoder(arch)
     prompts = [prompt_of(5, seed=1), prompt_of(33, seed=2), prompt_of(12, seed=3)]
-    out = dec.generate_ids(prompts, method, 24, GREEDY)
+    out = dec.generate_ids(prompts, method, 24, GREEDY, **runnable(dec, options))
     assert out.tokens == [hf_generate(dec.model, p, 24, GREEDY) for p in prompts]

@@ -26,7 +26,7 @@ from specdec import kernels, methods
 from specdec.api import SpecDecoder
 from specdec.tree import DraftTree, SparseProbs
 from specdec.verify import SamplingConfig, Verifier, processed_probs
-from tests.conftest import tiny_model
+from tests.conftest import runnable, schedule_variants, tiny_model
 from tests.test_greedy_lossless import perturbed
 
 PASS = 1e-4  # a correct sampler must reach p > PASS
@@ -405,7 +405,9 @@ def e2e_pvalues(dec: SpecDecoder, method: str, config: str, eos: bool, rows: int
     dec.eos = {EOS} if eos else set()
     # pld on the static schedule: the cost schedule sizes drafts from timings, and on a busy CPU it drafts
     # too little for the "speculation happened" check (2,000 of the 3,000 drafts wanted, seen twice).
+    method, own = methods.parse_label(method)  # "name" or a label "name:key=value"
     opts = {"sd": {"draft_length": 2}, "ngrammys": {"k": 3, "w": 2}, "pld": {"schedule": "static"}}.get(method, {})
+    opts = runnable(dec, {**opts, **own})
     out, drafted, accepted = [], 0, 0
     for chunk in range(rows // E2E_CHUNK):
         cfg = SamplingConfig(seed=1000 * chunk + 17, **E2E_CONFIGS[config])
@@ -429,6 +431,11 @@ E2E_CASES = [
 ]
 # Every registered method is covered: one added to the registry gets a case without a test of its own.
 E2E_CASES += [(m, "temp0.8", False) for m in methods.names() if m not in {c[0] for c in E2E_CASES}]
+# So is every stop rule sd can draft with (the oracle is greedy only and refuses sampling; pld's and
+# ngrammys' schedules only size drafts from timings, which the greedy identity test covers).
+E2E_CASES += [(f"sd:schedule={o['schedule']}", "temp0.8", False) for o in schedule_variants("sd")
+              if o["schedule"] not in ("static", "oracle")]
+E2E_CASES += [("sd:schedule=disco:disco_mode=cost", "temp0.8", False), ("sd:confidence=0.3", "temp0.8", False)]
 
 
 @pytest.mark.parametrize("method,config,eos", E2E_CASES)

@@ -68,20 +68,23 @@ class StepCostLike(Protocol):
 class StopRule:
     """Decides, after every token a model drafter drafts, which rows keep drafting.
 
-    ``keep_going(depth, logits)`` is called with the depth just drafted (1 for the first draft token)
-    and the draft's logits ``[B, V]`` at that position (the distribution the token was picked from;
-    ``V`` is the draft's own vocabulary, which may be reduced); it returns ``[B] bool``. A row that
-    stops drafts nothing more this step. ``update`` learns from each step's outcome (per row).
+    ``keep_going(depth, logits, tokens)`` is called with the depth just drafted (1 for the first draft
+    token), the draft's logits ``[B, V]`` at that position (the distribution the token was picked from;
+    ``V`` is the draft's own vocabulary, which may be reduced) and the drafted tokens ``[B]`` (target
+    ids); it returns ``[B] bool``. A row that stops drafts nothing more this step; the token just
+    drafted stays in the draft (a rule may read it, never drop it: stopping depends on the drafted
+    prefix only, which keeps verification exact). ``update`` learns from each step's outcome.
     """
 
-    def begin(self, batch_size: int) -> None:
-        """A new generation of ``batch_size`` rows starts."""
+    def begin(self, batch_size: int, state: DecodeState | None = None) -> None:
+        """A new generation of ``batch_size`` rows starts (``state``: its prompts and first tokens)."""
 
-    def keep_going(self, depth: int, logits: torch.Tensor) -> torch.Tensor:
+    def keep_going(self, depth: int, logits: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def update(self, drafted: list[int], accepted: list[int]) -> None:
-        """Per row: draft tokens verified and accepted this step (finished rows are left out)."""
+    def update(self, drafted: list[int], accepted: list[int], rows: list[int] | None = None) -> None:
+        """Draft tokens verified and accepted this step, for the rows ``rows`` (default: all, in order;
+        finished rows are left out)."""
 
 
 @dataclass

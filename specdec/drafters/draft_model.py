@@ -97,7 +97,7 @@ class DraftModelDrafter(Drafter):
             if going is not None:
                 tok = tok.masked_fill(~going, -1)  # a stopped row's chain ends at its first -1
                 if budget.stop is not None:
-                    going = going & budget.stop.keep_going(i + 1, logits)
+                    going = going & budget.stop.keep_going(i + 1, logits, tok)
                 going = going & (depth > i + 1)
             tokens.append(tok)
             probs.append(q)

@@ -24,10 +24,10 @@ class StaticLength:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
         self.k, self.cost, self.stop, self.max_nodes = k, cost, stop, max_nodes
 
-    def begin(self, batch_size: int) -> None:
-        """A new generation of ``batch_size`` rows starts."""
+    def begin(self, batch_size: int, state=None) -> None:
+        """A new generation of ``batch_size`` rows starts (``state``: its :class:`DecodeState`)."""
         if self.stop is not None:
-            self.stop.begin(batch_size)
+            self.stop.begin(batch_size, state)
 
     def depths(self, rows: int) -> list[int]:
         """This step's wanted depth per row, before the rows' remaining lengths cut it."""
@@ -49,7 +49,7 @@ class StaticLength:
         """Per active row: draft tokens verified and accepted this step; ``rows``: which rows the lists
         describe (default: all, in order)."""
         if self.stop is not None:
-            self.stop.update(drafted, accepted)
+            self.stop.update(drafted, accepted, rows)
 
 
 class HeuristicLength(StaticLength):
@@ -61,8 +61,8 @@ class HeuristicLength(StaticLength):
         self.max_k = max_k
         self._rows: list[int] = []
 
-    def begin(self, batch_size: int) -> None:
-        super().begin(batch_size)
+    def begin(self, batch_size: int, state=None) -> None:
+        super().begin(batch_size, state)
         self._rows = [self.k] * batch_size
 
     def length(self) -> int:
@@ -92,6 +92,6 @@ class ConfidenceStop(StopRule):
             raise ValueError(f"confidence threshold must be in [0, 1), got {threshold}")
         self.threshold = threshold
 
-    def keep_going(self, depth: int, logits: torch.Tensor) -> torch.Tensor:
+    def keep_going(self, depth: int, logits: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         top = logits.float().softmax(-1).amax(-1)
         return top >= self.threshold
