@@ -10,7 +10,7 @@ import torch
 from specdec.api import hf_generate
 from specdec.distill import disco as trainer
 from specdec.policies.disco import (FEATURES, DiscoClassifier, DiscoStop, OracleStop, PlattCalibration,
-                                    disco_features, draft_fingerprint)
+                                    disco_features, draft_fingerprint, tree_accept)
 from specdec.prompts import Prompt
 from specdec.verify import SamplingConfig
 from tests.test_greedy_lossless import decoder, prompt_of
@@ -245,3 +245,20 @@ def test_oracle_schedule_is_lossless_and_drafts_only_what_the_target_accepts_plu
         assert one.stats.drafted_tokens - one.stats.accepted_tokens <= one.stats.steps
         static = dec.generate_ids([p], "sd", 30, GREEDY, draft_length=1)
         assert one.stats.target_calls <= static.stats.target_calls
+
+
+def test_tree_accept_multiplies_node_chances_along_paths():
+    from specdec.policies import StepCost, prune
+    from specdec.tree import DraftTree
+
+    clf = _Constant({1: 0.0, 2: 2.0, 3: -1.0})  # sigmoid: 0.5, 0.881, 0.269 by depth
+    tree = DraftTree.from_parents(torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[-1, 0, 0, 1, 3]]))
+    reach = tree_accept(clf, None, tree, torch.randn(1, 5, 16), torch.tensor([3]))
+    s = torch.sigmoid(torch.tensor([0.0, 2.0, -1.0]))
+    want = torch.tensor([[1.0, s[0], s[0], s[0] * s[1], s[0] * s[1] * s[2]]])
+    torch.testing.assert_close(reach, want)
+    tree.accept = reach
+    cheap = StepCost({1: 1.0, 16: 1.0 + 1e-3})  # verifying more nodes costs almost nothing: all are kept
+    assert prune(tree, cheap).valid.sum() == 5
+    dear = StepCost({1: 1.0, 2: 2.0, 16: 16.0})  # every node costs a whole step: none pays
+    assert prune(tree, dear).valid.sum() <= 2

@@ -232,6 +232,31 @@ class DiscoStop(StopRule):
             self._position[r] += a + 1
 
 
+@torch.no_grad()
+def tree_accept(classifier: DiscoClassifier, calibration: PlattCalibration | None, tree, node_logits: torch.Tensor,
+                position: torch.Tensor) -> torch.Tensor:
+    """Per-node reach estimates for any draft tree whose nodes a draft model proposed: the chance that
+    every node on the path from the root is accepted, each node's own chance from the classifier (and
+    the online calibration). Set them as ``tree.accept`` and :func:`specdec.policies.prune` cuts the
+    tree by the same cost rule as n-gram nodes.
+
+    tree: a :class:`~specdec.tree.DraftTree` ``[B,T]``; node_logits: ``[B,T,V]`` the draft's logits each
+    node's token was picked from (the root's row is ignored); position: ``[B]`` the index among the
+    generated tokens of each row's first draft token. Returns ``[B,T]`` fp32 (1 at the root, 0 at padding).
+    """
+    b, t = tree.tokens.shape
+    depth = tree.depth
+    flat = node_logits.reshape(b * t, -1)
+    pos = (position[:, None] + (depth - 1).clamp(min=0)).reshape(-1)
+    z = classifier(disco_features(flat, depth.reshape(-1).clamp(min=1), pos)).view(b, t)
+    p = (calibration(z) if calibration is not None else torch.sigmoid(z)).float()
+    reach = torch.ones(b, t, device=p.device)
+    for i in range(1, t):  # parents come before their children
+        parent = tree.parents[:, i].clamp(min=0)
+        reach[:, i] = reach.gather(1, parent[:, None]).squeeze(1) * p[:, i]
+    return torch.where(tree.valid, reach, 0.0)
+
+
 class OracleStop(StopRule):
     """A benchmark ceiling, greedy only: each row drafts until its first token that differs from the
     target's own greedy continuation (``references``: prompt tuple -> the new tokens ``ar`` produced),
