@@ -139,6 +139,7 @@ class SpecDecoder:
         self.drafts = {name: (m, r) for (name, (m, _)), r in zip(self.drafts.items(), drafts)}
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
         self._step_cost = None  # compiled steps cost less: measure again
+        self._draft_seconds = {}
 
     def get_draft(self, name: str | None = None) -> tuple[PreTrainedModel, ModelRunner]:
         """The draft model and its runner: the default one, or the one loaded as ``name``."""

@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--max-new-tokens", type=int, default=128, help="reply length (replies come from the shipped "
                    "n-gram corpus where it holds them, else from ar)")
     t.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    t.add_argument("--work", default=None, help="keep the teacher-forced data here; a rerun with the same inputs "
+                   "reads it instead of running the models again")
     t.add_argument("--exclude", default=None, help="prompts (JSON lines) to leave out, e.g. the dev prompts")
     t.add_argument("--labels", default="hard", choices=["hard", "soft"],
                    help="hard: draft argmax == target argmax (greedy acceptance); soft: 1 - TV(draft, target)")

@@ -193,7 +193,8 @@ def _build_sd(dec, o: SDOptions, sampling: SamplingConfig):
         return drafter, StaticLength(o.max_draft_length or 32, stop=OracleStop(dec.references()))
     name = o.draft or dec.draft_names()[0]
     classifier = DiscoClassifier.load(o.disco or dec.disco_path(name), draft_fingerprint(draft))
-    calibration = dec.acceptance(("disco", name, o.disco), PlattCalibration)  # learned across calls
+    start = classifier.meta.get("calibration", (1.0, 0.0))
+    calibration = dec.acceptance(("disco", name, o.disco), lambda: PlattCalibration(*start))  # learned across calls
     max_len = o.max_draft_length or int(classifier.meta.get("max_length", 8))
     cost = dec.step_cost() if o.disco_mode == "cost" else None
     seconds = dec.draft_seconds(name) if o.disco_mode == "cost" else None

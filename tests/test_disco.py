@@ -159,7 +159,8 @@ def tiny_disco(tmp_path_factory):
     seqs = trainer.build_sequences(dec, prompts, replies, draft, sim_length=4, progress=False)
     train, val = trainer.split_by_prompt(seqs, held_ids={"p0", "p1", "p2", "p3"})
     model = trainer.train_classifier(train, hidden=8, epochs=30, meta={"draft_fingerprint": draft_fingerprint(draft)})
-    tuned = trainer.tune(model, val, [1.0 + 0.1 * d for d in range(33)], 0.2, max_lengths=range(1, 5),
+    calibration = trainer.fit_calibration(model, val)
+    tuned = trainer.tune(model, val, [1.0 + 0.1 * d for d in range(33)], 0.2, max_lengths=range(1, 5), calibration=calibration,
                          thresholds=[0.2, 0.5, 0.8])
     model.meta.update(threshold=tuned["threshold"], max_length=tuned["max_length"])
     path = tmp_path_factory.mktemp("disco") / "disco.pt"

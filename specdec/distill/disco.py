@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.draft_models import is_feature_draft
-from specdec.policies.disco import FEATURES, LAYOUT, DiscoClassifier, disco_features, draft_fingerprint
+from specdec.policies.disco import FEATURES, LAYOUT, DiscoClassifier, PlattCalibration, disco_features, draft_fingerprint
 
 
 @dataclass
@@ -198,11 +198,29 @@ def reliability(probs: torch.Tensor, labels: torch.Tensor, bins: int = 10) -> li
     return out
 
 
-def evaluate(model: DiscoClassifier, seqs: list[Sequence]) -> dict:
-    """ROC-AUC (overall and per category) and a reliability table of ``model`` on ``seqs`` (hard labels)."""
+def logits_of(model: DiscoClassifier, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The classifier's logits ``[N]`` over every position of ``seqs`` and the hard labels ``[N]``."""
     x, y = _stack(seqs, soft=False)
     with torch.no_grad():
-        p = torch.sigmoid(model(x))
+        return model(x), y
+
+
+def fit_calibration(model: DiscoClassifier, seqs: list[Sequence]) -> PlattCalibration:
+    """Platt scaling of ``model``'s logits on ``seqs`` (the validation split: prompts the draft never saw)."""
+    z, y = logits_of(model, seqs)
+    cal = PlattCalibration(prior=1e-3)
+    cal.observe(z.tolist(), y.tolist())
+    cal.refit(steps=25)
+    return PlattCalibration(cal.a, cal.b)
+
+
+def evaluate(model: DiscoClassifier, seqs: list[Sequence], calibration: PlattCalibration | None = None) -> dict:
+    """ROC-AUC (overall and per category) and a reliability table of ``model`` on ``seqs`` (hard labels),
+    its probabilities through ``calibration`` when given."""
+    x, y = _stack(seqs, soft=False)
+    with torch.no_grad():
+        z = model(x)
+        p = calibration(z) if calibration is not None else torch.sigmoid(z)
     per_cat = {}
     cats = [s.category for s in seqs for _ in range(len(s.agree))]
     for c in sorted(set(cats)):
@@ -217,13 +235,16 @@ def evaluate(model: DiscoClassifier, seqs: list[Sequence]) -> dict:
             "reliability": reliability(p, y)}
 
 
-def _probs_by_depth(model: DiscoClassifier, seq: Sequence, max_len: int) -> torch.Tensor:
-    """``[n, max_len]`` the classifier's acceptance probability of each position drafted at each depth."""
+def _probs_by_depth(model: DiscoClassifier, seq: Sequence, max_len: int, calibration: PlattCalibration | None = None
+                    ) -> torch.Tensor:
+    """``[n, max_len]`` the (calibrated) acceptance probability of each position drafted at each depth."""
     depth_col = FEATURES.index("depth")
     x = seq.features.repeat(max_len, 1)
     x[:, depth_col] = torch.arange(1, max_len + 1).repeat_interleave(len(seq.features)).float()
     with torch.no_grad():
-        return torch.sigmoid(model(x)).view(max_len, -1).T
+        z = model(x)
+        p = calibration(z) if calibration is not None else torch.sigmoid(z)
+        return p.view(max_len, -1).T
 
 
 def simulate(seqs: list[Sequence], rule, target_cost: list[float], draft_seconds: float) -> dict:
@@ -251,12 +272,12 @@ def simulate(seqs: list[Sequence], rule, target_cost: list[float], draft_seconds
 
 
 def tune(model: DiscoClassifier, seqs: list[Sequence], target_cost: list[float], draft_seconds: float,
-         max_lengths=range(1, 13), thresholds=None) -> dict:
+         max_lengths=range(1, 13), thresholds=None, calibration: PlattCalibration | None = None) -> dict:
     """The threshold and maximum length with the lowest simulated latency on ``seqs``, beside the best
     static length, the oracle and plain autoregressive decoding on the same split."""
     thresholds = thresholds if thresholds is not None else [round(0.05 * i, 2) for i in range(1, 20)]
     top = max(max_lengths)
-    probs = [_probs_by_depth(model, s, top) for s in seqs]
+    probs = [_probs_by_depth(model, s, top, calibration) for s in seqs]
     ar = target_cost[1]
     static = {k: simulate(seqs, lambda si, pos, d, k=k: d < k, target_cost, draft_seconds) for k in max_lengths}
     best_k = min(static, key=lambda k: static[k]["seconds_per_token"])
@@ -326,8 +347,17 @@ def run_train_disco(args) -> dict:
         prompts = [p for p in prompts if tuple(p.ids) not in held_out]
     if not prompts:
         raise ValueError(f"no prompts in {args.prompts}")
-    replies = _replies(dec, prompts, args.max_new_tokens, True)
-    seqs = build_sequences(dec, prompts, replies, draft, args.sim_length)
+    key = hashlib.sha256(json.dumps([draft_fingerprint(draft), args.dtype, args.sim_length, args.max_new_tokens,
+                                     [p.ids for p in prompts]]).encode()).hexdigest()[:16]
+    cached = Path(args.work) / f"disco_data_{key}.pt" if args.work else None
+    if cached is not None and cached.is_file():  # the teacher-forced data of an earlier run (same inputs)
+        seqs = [Sequence(**r) for r in torch.load(cached, weights_only=True)]
+    else:
+        replies = _replies(dec, prompts, args.max_new_tokens, True)
+        seqs = build_sequences(dec, prompts, replies, draft, args.sim_length)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            torch.save([vars(q) for q in seqs], cached)
     held = distill_held_out(args.draft) if args.validation == "distill-held-out" else None
     if args.validation == "distill-held-out" and held is None:
         raise ValueError(f"draft {args.draft!r} lists no held-out prompts (distill_summary.json held_out_ids): "
@@ -341,8 +371,10 @@ def run_train_disco(args) -> dict:
     cost = dec.step_cost()
     target_cost = [cost(d + 1) for d in range(33)]  # [d] = a step with d drafted tokens (d + 1 nodes)
     draft_s = dec.draft_seconds()
-    tuned = tune(model, val, target_cost, draft_s)
-    model.meta.update({"threshold": tuned["threshold"], "max_length": tuned["max_length"]})
+    calibration = fit_calibration(model, val)
+    tuned = tune(model, val, target_cost, draft_s, calibration=calibration)
+    model.meta.update({"threshold": tuned["threshold"], "max_length": tuned["max_length"],
+                       "calibration": [calibration.a, calibration.b]})
     model.save(out / "disco.pt")
     held_out = {c: None for c in sorted({s.category for s in seqs})}
     if args.leave_one_out:
@@ -366,6 +398,8 @@ def run_train_disco(args) -> dict:
         "features": list(FEATURES), "hidden": args.hidden, "epochs": args.epochs, "sim_length": args.sim_length,
         "excluded": excluded, "validation_split": args.validation, "prompts_used": len(seqs), "train_prompts": len(train), "validation_prompts": len(val),
         "train_positions": int(sum(len(s.agree) for s in train)), "validation": evaluate(model, val),
+        "validation_calibrated": {"platt": [round(calibration.a, 4), round(calibration.b, 4)],
+                                  "reliability": evaluate(model, val, calibration)["reliability"]},
         "leave_one_category_out_auc": held_out if args.leave_one_out else None, "transfer": transfer,
         "costs": {"target_step_seconds": [round(c, 5) for c in target_cost[:9]], "draft_step_seconds": round(draft_s, 5)},
         "tuned": tuned, "seconds": round(time.perf_counter() - t0, 1),

@@ -111,17 +111,20 @@ def draft_fingerprint(model: nn.Module) -> str:
 class PlattCalibration:
     """``sigmoid(a * z + b)`` over the classifier's logit ``z``, refitted online from verified tokens.
 
-    Every verified draft token is one (logit, accepted) pair; a few Newton steps on the logistic loss
-    over a sliding window of recent pairs (plus a weak prior at the identity ``a=1, b=0``) keep the
-    probabilities honest on the workload at hand. ``reset`` returns to the identity.
+    Starts at ``(a0, b0)`` (the fit on the training run's validation split, stored with the classifier);
+    every verified draft token is one (logit, accepted) pair, and a few Newton steps on the logistic loss
+    over a sliding window of recent pairs (with a weak prior at the start) keep the probabilities honest
+    on the workload at hand. ``reset`` returns to the start.
     """
 
-    def __init__(self, window: int = 2048, prior: float = 20.0, refit_every: int = 64):
+    def __init__(self, a0: float = 1.0, b0: float = 0.0, window: int = 2048, prior: float = 20.0,
+                 refit_every: int = 64):
+        self.a0, self.b0 = float(a0), float(b0)
         self.window, self.prior, self.refit_every = window, prior, refit_every
         self.reset()
 
     def reset(self) -> None:
-        self.a, self.b = 1.0, 0.0
+        self.a, self.b = self.a0, self.b0
         self._z: list[float] = []
         self._y: list[float] = []
         self._new = 0
@@ -140,14 +143,15 @@ class PlattCalibration:
         self._new += len(z)
         if self._new >= self.refit_every:
             self._new = 0
-            self._refit()
+            self.refit()
 
-    def _refit(self, steps: int = 5) -> None:
+    def refit(self, steps: int = 5) -> None:
+        """Newton steps on the pairs seen (the prior keeps an empty or one-sided window near the start)."""
         z = torch.tensor(self._z, dtype=torch.float64)
         y = torch.tensor(self._y, dtype=torch.float64)
         x = torch.stack([z, torch.ones_like(z)], 1)
         w = torch.tensor([self.a, self.b], dtype=torch.float64)
-        anchor = torch.tensor([1.0, 0.0], dtype=torch.float64)
+        anchor = torch.tensor([self.a0, self.b0], dtype=torch.float64)
         for _ in range(steps):
             p = torch.sigmoid(x @ w)
             grad = x.T @ (p - y) + self.prior * (w - anchor)
