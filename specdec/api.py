@@ -179,7 +179,12 @@ class SpecDecoder:
         """Seconds of one draft forward (one token), measured on first use per draft."""
         name = name or self.draft_names()[0]
         if name not in self._draft_seconds:
-            self._draft_seconds[name] = StepCost.calibrate(self.get_draft(name)[1], sizes=(1,))(1)
+            model, runner = self.get_draft(name)
+            extra = None
+            if is_feature_draft(model):  # it reads a target hidden state beside each token
+                width, dev = model.config.hidden_size, runner.device
+                extra = lambda t: {"target_hidden": torch.zeros(1, t, width, device=dev, dtype=model.dtype)}  # noqa: E731
+            self._draft_seconds[name] = StepCost.calibrate(runner, sizes=(1,), extra_inputs=extra)(1)
         return self._draft_seconds[name]
 
     def disco_path(self, name: str) -> Path:

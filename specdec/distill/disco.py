@@ -380,7 +380,7 @@ def run_train_disco(args) -> dict:
     if args.leave_one_out:
         for c in held_out:
             rest = [s for s in train if s.category != c]
-            only = [s for s in seqs if s.category == c]
+            only = [s for s in val if s.category == c]  # prompts the draft never saw, of the left-out category
             if rest and only:
                 m = train_classifier(rest, soft=args.labels == "soft", hidden=args.hidden, epochs=args.epochs)
                 held_out[c] = evaluate(m, only)["auc"]

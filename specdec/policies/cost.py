@@ -65,7 +65,10 @@ class StepCost:
         return out
 
     @classmethod
-    def calibrate(cls, runner, context: int = 128, repeats: int = 3, sizes=SIZES) -> "StepCost":
+    def calibrate(cls, runner, context: int = 128, repeats: int = 3, sizes=SIZES, extra_inputs=None) -> "StepCost":
+        """Time ``runner`` over chains of each size in ``sizes`` after a ``context``-token prefix.
+        ``extra_inputs(t) -> dict``: model inputs beside the tokens for ``t`` tokens (a feature-conditioned
+        draft's ``target_hidden``); the prefix then goes through ``forward_tree`` as well."""
         import time
 
         import torch
@@ -76,14 +79,20 @@ class StepCost:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=g).to(runner.device)
         runner.reset(1, ids.shape[1] + 1)
-        runner.prefill(ids[:, :context], torch.tensor([context], device=runner.device))
+        extra = extra_inputs or (lambda t: None)
+        if extra_inputs is None:
+            runner.prefill(ids[:, :context], torch.tensor([context], device=runner.device))
+        else:
+            runner.forward_tree(DraftTree.chain(ids[:, 0], ids[:, 1:context]), extra_inputs=extra(context))
+            runner.commit(torch.arange(context, device=runner.device)[None], torch.tensor([context], device=runner.device),
+                          True, [context])
         trees = {t: DraftTree.chain(ids[:, context], ids[:, context + 1: context + t]) for t in sizes}
-        for tree in trees.values():
-            runner.forward_tree(tree)  # warm-up for each shape
+        for t, tree in trees.items():
+            runner.forward_tree(tree, extra_inputs=extra(t))  # warm-up for each shape
         table = {t: float("inf") for t in sizes}
         for _ in range(repeats):  # rounds over all sizes: a busy moment skews every size alike, not the last few
             for t, tree in trees.items():
                 t0 = time.perf_counter()
-                runner.forward_tree(tree)
+                runner.forward_tree(tree, extra_inputs=extra(t))
                 table[t] = min(table[t], time.perf_counter() - t0)
         return cls(table)
