@@ -195,10 +195,10 @@ class DiscoStop(StopRule):
         now = time.perf_counter()
         if depth == 1:
             self._logits = []
-        elif self._last_call is not None:  # one draft forward since the previous token
-            self.draft_seconds = 0.9 * self.draft_seconds + 0.1 * (now - self._last_call) if self.draft_seconds else \
-                now - self._last_call
-        position = torch.tensor(self._position, device=logits.device) + (depth - 1)
+            self._start = torch.tensor(self._position, device=logits.device)  # one host copy per step
+        elif self.mode == "cost" and self._last_call is not None:  # one draft forward since the previous token
+            self.draft_seconds = 0.9 * self.draft_seconds + 0.1 * (now - self._last_call)
+        position = self._start + (depth - 1)
         with torch.no_grad():
             z = self.classifier(disco_features(logits, depth, position))
         self._logits.append(z)
