@@ -21,9 +21,10 @@ from typing import Any, Callable
 from specdec.draft_models import is_feature_draft
 from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDrafter
 from specdec.drafters.feature_draft import FeatureDraftDrafter
+from specdec.drafters.graph_draft import SIBLINGS, GraphDrafter
 from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES
-from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance, StaticLength,
-                              StepCost)
+from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance,
+                              ProbabilityCalibration, StaticLength, StepCost)
 from specdec.policies.disco import DiscoClassifier, DiscoStop, OracleStop, PlattCalibration, draft_fingerprint
 from specdec.verify import SamplingConfig
 
@@ -89,6 +90,29 @@ class NGrammysOptions:
     support: int = option(1, "acceptance estimates per how many drafts share a node (1) or not (0)", (0, 1))
     schedule: str = option("cost", "cost: prune each row's tree to the nodes worth their measured verification "
                                    "cost; static: all k x w drafts, as in the paper", ("cost", "static"))
+
+
+@dataclass(frozen=True)
+class GSDOptions:
+    k: int = option(4, "candidates (top-k, or draws) per expanded node")
+    tau: int = option(2, "preceding tokens a merge must match: a candidate whose (tau + 1)-gram already occurs in "
+                         "the graph shares that node's successors", low=0)
+    prob_threshold: float = option(0.2, "a node whose draft probability is below this is not expanded", low=0.0,
+                                   high=1.0, closed=True)
+    sibling_threshold: float = option(0.3, "nor one below this fraction of its best sibling's probability", low=0.0,
+                                      high=1.0, closed=True)
+    max_depth: int = option(10, "draft levels per step (one draft forward each)")
+    max_nodes: int = option(32, "draft nodes per step, in the graph and in the unmerged tree")
+    merge: int = option(1, "merge recurring n-grams (0: a plain top-k tree, the ablation)", (0, 1))
+    siblings: str = option("topk", "topk: the k most likely tokens, verified one-hot; sample: k draws without "
+                                   "replacement, each verified against the distribution it was drawn from "
+                                   "(sampling only)", SIBLINGS)
+    schedule: str | None = option(None, "cost: the planner keeps the nodes worth their measured verification cost "
+                                        "(calibrated draft probabilities); static: the whole unmerged tree up to "
+                                        "max_nodes (default: cost with siblings=topk, static with siblings=sample)",
+                                  ("cost", "static"))
+    proposal_topk: int = option(64, "siblings=sample: the draft draws from its k most likely tokens (renormalised)")
+    draft: str | None = option(None, "which loaded draft (default: the first)", cli=False)
 
 
 @dataclass(frozen=True)
@@ -226,6 +250,25 @@ def _build_ngrammys(dec, o: NGrammysOptions, sampling: SamplingConfig):
     return drafter, StaticLength(o.w, cost=dec.step_cost() if cost else None)
 
 
+def _build_gsd(dec, o: GSDOptions, sampling: SamplingConfig):
+    draft, runner = dec.get_draft(o.draft)
+    cls = FeatureDraftDrafter if is_feature_draft(draft) else DraftModelDrafter
+    schedule = o.schedule or ("cost" if o.siblings == "topk" else "static")
+    if schedule == "cost" and o.siblings == "sample":
+        raise ValueError("siblings=sample runs with schedule=static: the planner keeps nodes by estimates that read "
+                         "their own drawn values, which would bias the proposals they are verified with")
+    calibration = None
+    if schedule == "cost":  # learned across calls, per draft and sampling configuration
+        key = ("gsd", o.draft or dec.draft_names()[0], sampling.greedy, sampling.temperature, sampling.top_k,
+               sampling.top_p)
+        calibration = dec.acceptance(key, ProbabilityCalibration)
+    drafter = GraphDrafter(cls(runner, sampling, o.proposal_topk), sampling, k=o.k, tau=o.tau,
+                           prob_threshold=o.prob_threshold, sibling_threshold=o.sibling_threshold,
+                           max_depth=o.max_depth, max_nodes=o.max_nodes, merge=bool(o.merge), siblings=o.siblings,
+                           calibration=calibration)
+    return drafter, StaticLength(o.max_depth, cost=dec.step_cost() if calibration is not None else None)
+
+
 NGRAMMYS_CORPUS_SLOTS = 2  # ngrammys' default ``c`` where an n-gram corpus fits the model
 
 REGISTRY: dict[str, Method] = {}
@@ -246,6 +289,9 @@ register(Method("sd", "classic speculative decoding with a same-vocabulary draft
                 _build_sd, _prepare_sd))
 register(Method("pld", "prompt lookup: the continuation of the longest matching context n-gram, cut to a "
                        "cost-aware length", PLDOptions, False, _build_pld))
+register(Method("gsd", "GSD: the draft model's top-k continuations grown level by level as a graph (recurring "
+                       "n-grams merged, low-probability nodes not expanded), verified as one tree", GSDOptions, True,
+                _build_gsd))
 register(Method("ngrammys", "N-Grammys: k drafts from context n-grams, the n-gram corpus and the model's bigram "
                             "table, merged into one trie", NGrammysOptions, False, _build_ngrammys))
 

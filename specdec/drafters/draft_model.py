@@ -43,11 +43,12 @@ class DraftModelDrafter(Drafter):
         self.vocab_map: torch.Tensor | None = getattr(model, "draft_vocab", None)  # draft id -> target id
         self._mode = model.reduced_logits if self.vocab_map is not None else contextlib.nullcontext
         self.target_vocab = model.config.get_text_config().vocab_size
+        self.margin = 8  # cache room past the longest sequence (a drafter growing trees in the pending region needs more)
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
         b = state.seq.shape[0]
-        self.runner.reset(b, state.seq.shape[1] + 8)
+        self.runner.reset(b, state.seq.shape[1] + self.margin)
         self._seen = [0] * b
 
     def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, SparseProbs | None]:
@@ -73,21 +74,7 @@ class DraftModelDrafter(Drafter):
             return DraftTree.chain(state.roots)
         b = state.seq.shape[0]
         dev = state.seq.device
-        # Catch up on committed tokens the draft has not seen (the root, and the previous bonus).
-        todo = [state.seq_lens_host[r] - self._seen[r] for r in range(b)]
-        width = max(todo)
-        idx = torch.tensor(self._seen, device=dev)[:, None] + torch.arange(width, device=dev)
-        pad = torch.arange(width, device=dev)[None] >= torch.tensor(todo, device=dev)[:, None]
-        chunk = state.seq.gather(1, idx.clamp(max=state.seq.shape[1] - 1)).masked_fill(pad, -1)
-        catch_up = DraftTree.chain(chunk[:, 0], chunk[:, 1:])
-        logits, hidden = self.runner.forward_tree(catch_up, self.needs_hidden, self._catch_up_inputs(idx))
-        last = torch.tensor(todo, device=dev) - 1
-        rows = torch.arange(b, device=dev)
-        logits = logits[rows, last]
-        hidden = hidden[rows, last] if hidden is not None else None
-        counts = torch.tensor(todo, device=dev)
-        self._commit(torch.arange(width, device=dev).expand(b, width), counts, [s + t for s, t in zip(self._seen, todo)])
-        self.draft_calls += 1
+        logits, hidden = self._catch_up(state)
         tokens, probs = [], []
         # Rows still drafting; None while every row drafts to the same depth and no rule may stop one.
         depth = budget.row_depth(dev)
@@ -115,8 +102,35 @@ class DraftModelDrafter(Drafter):
         q = None if self.sampling.greedy else SparseProbs.cat(probs)
         return DraftTree.chain(state.roots, drafts, q)
 
+    def _catch_up(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed the committed tokens the draft has not seen (the root, and the previous step's accepted
+        drafts and next token) in one forward and commit them. Returns the draft's logits ``[B,V]`` and
+        (``needs_hidden``) last hidden state ``[B,H]`` at each row's root."""
+        b = state.seq.shape[0]
+        dev = state.seq.device
+        todo = [state.seq_lens_host[r] - self._seen[r] for r in range(b)]
+        width = max(todo)
+        idx = torch.tensor(self._seen, device=dev)[:, None] + torch.arange(width, device=dev)
+        pad = torch.arange(width, device=dev)[None] >= torch.tensor(todo, device=dev)[:, None]
+        chunk = state.seq.gather(1, idx.clamp(max=state.seq.shape[1] - 1)).masked_fill(pad, -1)
+        catch_up = DraftTree.chain(chunk[:, 0], chunk[:, 1:])
+        logits, hidden = self.runner.forward_tree(catch_up, self.needs_hidden, self._catch_up_inputs(idx))
+        last = torch.tensor(todo, device=dev) - 1
+        rows = torch.arange(b, device=dev)
+        logits = logits[rows, last]
+        hidden = hidden[rows, last] if hidden is not None else None
+        counts = torch.tensor(todo, device=dev)
+        self._commit(torch.arange(width, device=dev).expand(b, width), counts, [s + t for s, t in zip(self._seen, todo)])
+        self.draft_calls += 1
+        return logits, hidden
+
     def _catch_up_inputs(self, positions: torch.Tensor) -> dict | None:
         """Extra model inputs for the catch-up nodes at ``positions [B,W]`` (none for a plain draft)."""
+        return None
+
+    def _frontier_inputs(self, hidden: torch.Tensor | None) -> dict | None:
+        """Extra model inputs for ``F`` new nodes of a tree, given their parents' draft hidden states
+        ``[B,F,H]`` (none for a plain draft)."""
         return None
 
     def _step_inputs(self, hidden: torch.Tensor | None) -> dict | None:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import Budget, DecodeState
+from specdec.drafters.base import DecodeState
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.model import ModelRunner
-from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig
 
 
@@ -40,9 +39,9 @@ class FeatureDraftDrafter(DraftModelDrafter):
         self._nfeat = torch.zeros(b, dtype=torch.int64, device=state.seq.device)
         self._proposed_at = [0] * b
 
-    def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
+    def _catch_up(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._proposed_at = list(state.seq_lens_host)  # positions below it are read with the target's states
-        return super().propose(state, budget)
+        return super()._catch_up(state)
 
     def add_hidden(self, hidden: torch.Tensor, counts: torch.Tensor) -> None:
         b, n, _ = hidden.shape
@@ -60,6 +59,9 @@ class FeatureDraftDrafter(DraftModelDrafter):
     def _catch_up_inputs(self, positions: torch.Tensor) -> dict:
         # The token at position t is paired with f_{t-1}, stored in column t.
         return {"target_hidden": self._gather_feat(positions)}
+
+    def _frontier_inputs(self, hidden: torch.Tensor | None) -> dict:
+        return {"target_hidden": hidden}
 
     def _step_inputs(self, hidden: torch.Tensor | None) -> dict:
         return {"target_hidden": hidden[:, None]}

@@ -5,10 +5,10 @@ depth, the measured :class:`StepCost`, an optional :class:`~specdec.drafters.bas
 hold an acceptance table that the method's declaration builds for them.
 """
 from specdec.drafters.base import Budget, StopRule
-from specdec.policies.acceptance import AcceptanceModel, NodeAcceptance
+from specdec.policies.acceptance import AcceptanceModel, NodeAcceptance, ProbabilityCalibration
 from specdec.policies.cost import StepCost
 from specdec.policies.length import ConfidenceStop, HeuristicLength, StaticLength
 from specdec.policies.planner import best_length, best_sizes, cap_nodes, prune
 
-__all__ = ["Budget", "StopRule", "StepCost", "AcceptanceModel", "NodeAcceptance", "StaticLength", "HeuristicLength",
+__all__ = ["Budget", "StopRule", "StepCost", "AcceptanceModel", "NodeAcceptance", "ProbabilityCalibration", "StaticLength", "HeuristicLength",
            "ConfidenceStop", "best_length", "best_sizes", "cap_nodes", "prune"]

@@ -86,3 +86,36 @@ class NodeAcceptance:
         self.proposed.index_add_(0, cells, torch.ones(cells.shape[0], dtype=torch.float64))
         self.accepted.index_add_(0, cells, accepted.cpu().double())
         self._rates = None
+
+
+class ProbabilityCalibration:
+    """How often a draft model's candidate is the target's token, per bin of the draft's own probability.
+
+    Distilled drafts are over-confident, and how much depends on the draft and the workload, so the
+    probability a drafter reads off its softmax is mapped to the rate measured for that bin (each bin's
+    prior is its centre, worth ``prior_weight`` observations). ``__call__(probs)`` maps host floats;
+    ``observe(probs, hits)`` counts candidates whose parent the target reached, and whether each one was
+    the target's token there.
+    """
+
+    def __init__(self, bins: int = 20, prior_weight: float = 4.0):
+        if bins < 1:
+            raise ValueError(f"bins must be >= 1, got {bins}")
+        self.bins = bins
+        centre = [(i + 0.5) / bins for i in range(bins)]
+        self.hits = [c * prior_weight for c in centre]
+        self.seen = [prior_weight] * bins
+        self.observed = 0
+
+    def _bin(self, p: float) -> int:
+        return min(self.bins - 1, max(0, int(p * self.bins)))
+
+    def __call__(self, probs: list[float]) -> list[float]:
+        return [self.hits[i] / self.seen[i] for i in map(self._bin, probs)]
+
+    def observe(self, probs: list[float], hits: list[bool]) -> None:
+        for p, h in zip(probs, hits):
+            i = self._bin(p)
+            self.seen[i] += 1.0
+            self.hits[i] += float(h)
+        self.observed += len(probs)

@@ -1,0 +1,305 @@
+"""GSD (graph-structured speculative decoding): the draft model grows a graph of its top-k continuations.
+
+A step: the draft catches up on the committed tokens (one forward), then expands level by level. Each
+level is one draft forward over the whole frontier of every row, written into the draft runner's
+pending region (:meth:`~specdec.model.ModelRunner.forward_pending`): a frontier node attends to the
+committed prefix and to its own ancestors there, so nothing is recomputed. Each frontier node's ``k``
+candidates (``specdec.kernels.topk_entropy`` on the draft's logits, or draws, see below) go into the
+row's :class:`~specdec.drafters.draft_graph.DraftGraph`, which prunes (a node below ``prob_threshold``
+or below ``sibling_threshold`` times its best sibling is not expanded) and merges candidates whose
+(tau + 1)-gram already occurs into its first occurrence: the graph computes each shared run once. The
+graph is unmerged into a tree and, with per-node acceptance estimates (the draft's probability,
+calibrated online against the target's tokens), handed to the decode loop, whose cost planner keeps the
+nodes that pay for their measured verification cost.
+
+Exactness. Greedy decoding verifies by matching the target's argmax, so any tree is exact. Sampling
+has two variants (``siblings``):
+
+* ``topk``: the children are the draft's ``k`` most likely tokens under the processed distribution
+  (temperature, top-k, top-p), a deterministic function of the draft's logits. Every node is verified as
+  a one-hot proposal: recursive rejection sampling over distinct deterministic candidates accepts each
+  with the residual target probability and is exact for *any* choice of candidates that does not look at
+  the verification's random numbers. Pruning, merging, the node cap and the planner may therefore keep or
+  drop any node.
+* ``sample``: the ``k`` children of a node are drawn without replacement from ``q``, the draft's
+  processed distribution over its ``proposal_topk`` most likely tokens (Gumbel top-k, whose order is the
+  draw order), and the ``i``-th carries ``q`` with the ``i - 1`` tokens drawn before it removed and
+  renormalised: exactly the distribution it was drawn from given those draws. The verifier's recursive
+  rejection rule is exact when each tried candidate follows the proposal it is verified with, given
+  everything drawn before (each test then turns the current target distribution into the residual, and
+  the residual's own continuation is exact by induction). That holds as long as whether a node is in
+  the tree does not depend on its own value: a node selected *because* of its value follows ``q``
+  conditioned on being selected, not ``q``. Here a created node is always in the tree unless the node
+  cap cut it, and the cap counts nodes created before it (their values, never its own); the thresholds
+  only decide whether a node is *expanded*, which changes its descendants (tried only after it is
+  accepted, given its value) and the nodes created after it. Two things do depend on a node's own
+  value and are verified one-hot instead: a merged candidate (it exists as a copy because its n-gram
+  matched) with everything copied under it, and any node kept by the cost planner, whose size choice
+  reads every estimate; so ``siblings=sample`` runs without the planner (``schedule=static``). Nodes
+  dropped for their own value are simply never tried: the later siblings' proposals already condition on
+  them. A one-hot node among proposal nodes is exact for the same reason the ``topk`` variant is.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import Budget, DecodeState, Drafter
+from specdec.drafters.draft_graph import DraftGraph, Flat
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.tree import DraftTree, SparseProbs
+from specdec.verify import SamplingConfig, processed_logits
+from specdec import kernels
+
+SIBLINGS = ("topk", "sample")
+
+
+def sibling_proposals(probs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The distribution each of ``k`` draws without replacement was drawn from: ``probs [...,K]`` with the
+    entries drawn before it (``order [...,k]``, indices into K in draw order) removed, renormalised.
+    Returns ``[..., k, K]``."""
+    picked = torch.nn.functional.one_hot(order, probs.shape[-1]).bool()  # [...,k,K]
+    before = torch.zeros_like(picked)
+    before[..., 1:, :] = picked[..., :-1, :].cumsum(-2).bool()
+    rest = probs.unsqueeze(-2).expand_as(picked).masked_fill(before, 0.0)
+    return rest / rest.sum(-1, keepdim=True).clamp(min=1e-30)
+
+
+class GraphDrafter(Drafter):
+    """GSD over a chain drafter's model and cache (``base``: a :class:`DraftModelDrafter`, plain or
+    feature-conditioned).
+
+    k: candidates per expanded node; tau, prob_threshold, sibling_threshold, merge: see
+    :class:`DraftGraph`; max_depth: levels per step; max_nodes: draft nodes per row's verified tree
+    (the graph creates at most this many too); siblings: ``topk`` or ``sample`` (see the module
+    docstring); calibration: maps the draft's probabilities to acceptance estimates
+    (:class:`~specdec.policies.ProbabilityCalibration`), None for no estimates (no planning).
+    """
+
+    def __init__(self, base: DraftModelDrafter, sampling: SamplingConfig, k: int = 4, tau: int = 2,
+                 prob_threshold: float = 0.2, sibling_threshold: float = 0.3, max_depth: int = 10,
+                 max_nodes: int = 64, merge: bool = True, siblings: str = "topk", calibration=None):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if tau < 0:
+            raise ValueError(f"tau must be >= 0, got {tau}")
+        for name, value in (("prob_threshold", prob_threshold), ("sibling_threshold", sibling_threshold)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if siblings not in SIBLINGS:
+            raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
+        if siblings == "sample" and sampling.greedy:
+            raise ValueError("siblings=sample draws the children, which needs sampling (temperature > 0)")
+        if siblings == "sample" and k > base.proposal_topk:
+            raise ValueError(f"siblings=sample draws k={k} children from proposal_topk={base.proposal_topk} tokens")
+        self.base, self.sampling = base, sampling
+        self.k, self.tau, self.merge, self.siblings = k, tau, merge, siblings
+        self.prob_threshold, self.sibling_threshold = prob_threshold, sibling_threshold
+        self.max_depth, self.max_nodes = max_depth, max_nodes
+        self.calibration = calibration
+        self.needs_hidden = base.needs_hidden
+        self.base.margin = max_nodes + 8
+        self._graphs: list[DraftGraph | None] = []
+        self._stats = self._fresh_stats()
+
+    # ---- Drafter interface ----------------------------------------------------------------------
+
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
+        self.base.begin(state)
+        self._stats = self._fresh_stats()
+
+    @staticmethod
+    def _fresh_stats() -> dict:
+        # coverage: depth -> [times the target reached an expanded node there, top-1 hits, top-k hits]
+        return {"steps": 0, "draft_rows": 0, "draft_forwards": 0, "graph_nodes": 0, "merges": 0, "refused_merges": 0,
+                "tree_nodes": 0, "copied_nodes": 0, "coverage": {}}
+
+    def add_hidden(self, hidden: torch.Tensor, counts: torch.Tensor) -> None:
+        self.base.add_hidden(hidden, counts)
+
+    def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
+        with self.base._mode():
+            tree = self._propose(state, budget)
+        self.draft_calls = self.base.draft_calls
+        return tree
+
+    def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
+               drafted: list[int]) -> None:
+        self.base.update(state, tree, path, path_len, drafted)
+        seq = None
+        for r, n in enumerate(path_len):
+            if n == 0 or r >= len(self._graphs) or self._graphs[r] is None:
+                continue
+            if seq is None:
+                seq = state.seq.tolist()
+            end = state.seq_lens_host[r]
+            self._observe(self._graphs[r], seq[r][end - n: end])  # the accepted drafts, then the next token
+
+    def summary(self) -> dict:
+        return dict(self._stats, coverage={str(d): v for d, v in sorted(self._stats["coverage"].items())})
+
+    # ---- drafting -----------------------------------------------------------------------------------
+
+    def _propose(self, state: DecodeState, budget: Budget) -> DraftTree:
+        b = state.seq.shape[0]
+        dev = state.seq.device
+        self._graphs = [None] * b
+        if budget.depth < 1:
+            return DraftTree.chain(state.roots)
+        logits, hidden = self.base._catch_up(state)
+        logits, hidden = logits[:, None], None if hidden is None else hidden[:, None]
+        roots = state.roots.tolist()
+        limits = [min(d, self.max_depth) for d in budget.max_depth]
+        graphs = [DraftGraph(roots[r], self.tau, self.prob_threshold, self.sibling_threshold, self.max_depth,
+                             self.max_nodes, self.merge) if limits[r] > 0 else None for r in range(b)]
+        self._graphs = graphs
+        fed = [[0] if g is not None else [] for g in graphs]  # graph node of each column of ``logits``
+        pending: list[dict[int, int]] = [{} for _ in range(b)]  # graph node -> index in the draft's pending region
+        base_pos = self.base.runner.lengths - 1  # [B] the root's position
+        proposals: list[SparseProbs] = []
+        cells = 0
+        n_pending = 0
+        for level in range(1, self.max_depth + 1):
+            tokens, probs, q = self._children(logits)
+            width = logits.shape[1]
+            if q is not None:
+                proposals.append(q)
+            toks, ps = tokens.tolist(), probs.tolist()
+            grow: list[list[tuple[int, int]]] = [[] for _ in range(b)]  # (new node, parent column)
+            for r, g in enumerate(graphs):
+                for col, node in enumerate(fed[r]):
+                    c = [cells + col * self.k + i for i in range(self.k)] if q is not None else None
+                    grow[r] += [(n, col) for n in g.add_children(node, toks[r][col], ps[r][col], c, limits[r])]
+            cells += width * self.k
+            f = max(len(x) for x in grow)
+            if f == 0 or level == self.max_depth:
+                break
+            n_pending += f
+            ids = torch.zeros(b, f, dtype=torch.int64)
+            depth = torch.zeros(b, f, dtype=torch.int64)
+            cols = torch.zeros(b, f, dtype=torch.int64)
+            words = (n_pending + 31) // 32
+            mask = [[[0] * words for _ in range(f)] for _ in range(b)]
+            for r, row in enumerate(grow):
+                g = graphs[r]
+                for j, (node, col) in enumerate(row):
+                    pending[r][node] = n_pending - f + j
+                    ids[r, j], depth[r, j], cols[r, j] = g.tokens[node], g.depth[node], col
+                    a = node
+                    while a > 0:  # the node and its ancestors below the root (which is committed)
+                        bit = pending[r][a]
+                        mask[r][j][bit // 32] |= 1 << (bit % 32)
+                        a = g.parent[a]
+            packed = torch.tensor(mask, dtype=torch.int64)
+            packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).to(dev)
+            ids, depth, cols = ids.to(dev), depth.to(dev), cols.to(dev)
+            extra = None
+            if hidden is not None:
+                extra = self.base._frontier_inputs(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])))
+            logits, hidden = self.base.runner.forward_pending(ids, base_pos[:, None] + depth, packed,
+                                                              self.needs_hidden, extra)
+            self.base.draft_calls += 1
+            self._stats["draft_forwards"] += 1
+            self._stats["draft_rows"] += sum(len(x) for x in grow)
+            fed = [[node for node, _ in row] for row in grow]
+        return self._tree(state, graphs, proposals)
+
+    def _children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, SparseProbs | None]:
+        """Candidates of every column of ``logits [B,F,V]``: tokens ``[B,F,k]`` (target ids, -1 where a
+        column has fewer), their draft probabilities ``[B,F,k]`` and, for ``siblings=sample``, the proposal
+        each was drawn from (``[B, F*k, K]``)."""
+        b, f, v = logits.shape
+        k = min(self.k, v)
+        vocab_map = self.base.vocab_map
+        if self.siblings == "topk":
+            if self.sampling.greedy:
+                probs, ids, _, _ = kernels.topk_entropy(logits.reshape(b * f, v), k)
+            else:
+                probs, ids = processed_logits(logits.reshape(b * f, v), self.sampling).softmax(-1).topk(k, dim=-1)
+            ids = torch.where(probs > 0, ids if vocab_map is None else vocab_map[ids], -1)
+            return ids.view(b, f, k), probs.view(b, f, k), None
+        q = SparseProbs.top_k(processed_logits(logits, self.sampling), self.base.proposal_topk)  # [B,F,K]
+        if vocab_map is not None:
+            q = q.map_ids(vocab_map)
+        gumbel = -torch.log(-torch.log(torch.rand(q.probs.shape, generator=self.base.generator,
+                                                  device=q.probs.device).clamp(min=1e-20)))
+        keys = torch.where(q.probs > 0, q.probs.log() + gumbel, float("-inf"))
+        order = keys.topk(k, dim=-1).indices  # [B,F,k] draw order
+        probs = q.probs.gather(2, order)
+        ids = torch.where(probs > 0, q.ids.gather(2, order), -1)
+        rest = sibling_proposals(q.probs, order)
+        proposals = SparseProbs(q.ids[:, :, None].expand(-1, -1, k, -1).reshape(b, f * k, q.k),
+                                rest.reshape(b, f * k, q.k))
+        return ids, probs, proposals
+
+    def _tree(self, state: DecodeState, graphs: list[DraftGraph | None], proposals: list[SparseProbs]) -> DraftTree:
+        """The rows' graphs unmerged into one :class:`DraftTree` (proposals, acceptance estimates)."""
+        b = len(graphs)
+        dev = state.seq.device
+        flats = [g.unmerge(self.max_nodes) if g is not None else None for g in graphs]
+        roots = state.roots.tolist()
+        t = max(len(f) if f is not None else 1 for f in flats)
+        tokens = torch.zeros(b, t, dtype=torch.int64)
+        parents = torch.zeros(b, t, dtype=torch.int64)
+        valid = torch.zeros(b, t, dtype=torch.bool)
+        cell = torch.full((b, t), -1, dtype=torch.int64)
+        accept = torch.zeros(b, t)
+        for r, flat in enumerate(flats):
+            if flat is None:
+                flat = Flat()
+                flat.add(roots[r], -1, 0, False, 1.0, -1)
+            n = len(flat)
+            tokens[r, :n] = torch.tensor(flat.tokens)
+            parents[r, :n] = torch.tensor(flat.parents)
+            valid[r, :n] = True
+            if proposals:  # copies are verified one-hot (see the module docstring)
+                cell[r, :n] = torch.tensor([-1 if c else x for c, x in zip(flat.copied, flat.cells)])
+            if self.calibration is not None:
+                est = [1.0] + self.calibration(flat.probs[1:])
+                reach = [1.0] * n
+                for i in range(1, n):
+                    reach[i] = reach[flat.parents[i]] * est[i]
+                accept[r, :n] = torch.tensor(reach)
+            g = graphs[r]
+            if g is not None:
+                self._stats["graph_nodes"] += g.size
+                self._stats["merges"] += g.merges
+                self._stats["refused_merges"] += g.refused
+                self._stats["tree_nodes"] += n - 1
+                self._stats["copied_nodes"] += sum(flat.copied)
+        self._stats["steps"] += 1
+        probs = None
+        if proposals:
+            table = SparseProbs.cat(proposals)
+            one = table.gather(cell.clamp(min=0).to(dev))
+            none = (cell < 0).to(dev)[..., None]
+            probs = SparseProbs(one.ids.masked_fill(none, -1), one.probs.masked_fill(none, 0.0))
+        tree = DraftTree.from_parents(tokens.to(dev), parents.to(dev), valid.to(dev), probs, check=False)
+        if self.calibration is not None:
+            tree.accept = accept.to(dev)
+        return tree
+
+    # ---- learning -----------------------------------------------------------------------------------
+
+    def _observe(self, graph: DraftGraph, target: list[int]) -> None:
+        """Walk the target's tokens ``target`` (accepted drafts, then the next token) through the graph:
+        coverage per depth and calibration of the candidates at every node the target reached."""
+        node, probs, hits = 0, [], []
+        cover = self._stats["coverage"]
+        for depth, tok in enumerate(target, start=1):
+            if node is None or not graph.expanded[node]:
+                break
+            cands = graph.cands[node]
+            row = cover.setdefault(depth, [0, 0, 0])
+            row[0] += 1
+            row[1] += int(bool(cands) and cands[0][0] == tok)
+            row[2] += int(any(t == tok for t, _ in cands))
+            probs += [p for _, p in cands]
+            hits += [t == tok for t, _ in cands]
+            node = graph.child(node, tok)
+        if self.calibration is not None and probs:
+            self.calibration.observe(probs, hits)
