@@ -61,7 +61,9 @@ def test_merges_where_the_bigram_repeats_tau_1():
     want = {p + (t,) for p, cands in TABLE.items() for t, _ in cands} | {(3, 2, 5, 9)}
     assert g.paths() == g.unmerge().paths() == want
     flat = g.unmerge()
-    assert len(flat) == 1 + len(want) and sum(flat.copied) == 3  # (3,2,5), (3,2,5,9) and (3,6,9) are copies
+    # One tree node per candidate in placement order (merged ones among their siblings), then the copies of what
+    # lies under a merge target: only (3, 2, 5, 9) here.
+    assert flat.tokens == [1, 2, 3, 5, 6, 2, 6, 9, 9, 5, 9, 9] and flat.copied == [False] * 11 + [True]
 
 
 def test_tau_0_merges_on_one_token_and_tau_2_not_here():

@@ -406,7 +406,8 @@ def e2e_pvalues(dec: SpecDecoder, method: str, config: str, eos: bool, rows: int
     # pld on the static schedule: the cost schedule sizes drafts from timings, and on a busy CPU it drafts
     # too little for the "speculation happened" check (2,000 of the 3,000 drafts wanted, seen twice).
     method, own = methods.parse_label(method)  # "name" or a label "name:key=value"
-    opts = {"sd": {"draft_length": 2}, "ngrammys": {"k": 3, "w": 2}, "pld": {"schedule": "static"}}.get(method, {})
+    opts = {"sd": {"draft_length": 2}, "ngrammys": {"k": 3, "w": 2}, "pld": {"schedule": "static"},
+            "gsd": {"k": 2, "max_depth": 2}}.get(method, {})
     opts = runnable(dec, {**opts, **own})
     out, drafted, accepted = [], 0, 0
     for chunk in range(rows // E2E_CHUNK):
@@ -436,6 +437,9 @@ E2E_CASES += [(m, "temp0.8", False) for m in methods.names() if m not in {c[0] f
 E2E_CASES += [(f"sd:schedule={o['schedule']}", "temp0.8", False) for o in schedule_variants("sd")
               if o["schedule"] not in ("static", "oracle")]
 E2E_CASES += [("sd:schedule=disco:disco_mode=cost", "temp0.8", False), ("sd:confidence=0.3", "temp0.8", False)]
+# GSD's two sibling variants; tau=0 merges often on this prompt, so copies (verified one-hot) are tried too.
+E2E_CASES += [("gsd:siblings=sample", "temp0.8", False), ("gsd:siblings=sample:tau=0", "topk6-topp0.85", False),
+              ("gsd:tau=0", "temp0.8", True)]
 
 
 @pytest.mark.parametrize("method,config,eos", E2E_CASES)
@@ -455,6 +459,17 @@ def test_generate_planted_bug_is_detected(e2e_decoder, monkeypatch):
     monkeypatch.setattr(kernels, "tree_verify_sampling", planted("onehot_residual"))
     pvals, *_ = e2e_pvalues(e2e_decoder, "sd", "topk6-topp0.85", False, rows=3000)
     assert pvals["joint"] < POWER, pvals
+
+
+def test_gsd_planted_bug_is_detected(e2e_decoder, monkeypatch):
+    """GSD's sampled siblings: verifying every draw against the undivided ``q`` (as if drawn with replacement)
+    instead of ``q`` without the siblings drawn before it fails the same test."""
+    from specdec.drafters import graph_draft
+
+    monkeypatch.setattr(graph_draft, "sibling_proposals",
+                        lambda probs, order: probs.unsqueeze(-2).expand(*order.shape, probs.shape[-1]))
+    pvals, *_ = e2e_pvalues(e2e_decoder, "gsd:siblings=sample:k=3", "topk6-topp0.85", False)
+    assert min(pvals.values()) < POWER, pvals  # the pass criterion reads the smallest p-value too
 
 
 

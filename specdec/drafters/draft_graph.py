@@ -30,7 +30,8 @@ class Edge:
 @dataclass
 class Flat:
     """An unmerged tree (what the target verifies): per node its token, parent (-1 at the root), the graph
-    node it copies, whether it lies at or under a merge edge, its edge's probability and proposal cell."""
+    node it stands for, whether it lies under a merged candidate (a copy of the merge target's successors),
+    its edge's probability and proposal cell."""
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
@@ -66,7 +67,7 @@ class DraftGraph:
     tau: preceding tokens a merge must match (``tau >= 0``); merge: merge at all; prob_threshold: a node
     whose draft probability is below it is not expanded (a leaf); sibling_threshold: nor one below this
     fraction of its best sibling's; max_depth: nodes at this depth are leaves; max_nodes: at most this many
-    created nodes besides the root (candidates past it are dropped).
+    edges (candidates placed, merged or not; later ones are dropped).
     """
 
     def __init__(self, root: int, tau: int = 2, prob_threshold: float = 0.2, sibling_threshold: float = 0.3,
@@ -74,7 +75,8 @@ class DraftGraph:
         self.tau, self.merge = tau, merge
         self.prob_threshold, self.sibling_threshold = prob_threshold, sibling_threshold
         self.max_depth, self.max_nodes = max_depth, max_nodes
-        self.tokens, self.parent, self.depth, self.prob, self.cell = [root], [-1], [0], [1.0], [-1]
+        self.tokens, self.parent, self.depth = [root], [-1], [0]
+        self.order: list[tuple[int, int]] = []  # every edge as (node, index in its edges), in placement order
         self.edges: list[list[Edge]] = [[]]
         self.expanded = [False]
         self.cands: dict[int, list[tuple[int, float]]] = {}  # expanded node -> its candidates (token, prob) in rank order
@@ -85,7 +87,7 @@ class DraftGraph:
 
     @property
     def size(self) -> int:
-        """Created draft nodes (root excluded)."""
+        """Created draft nodes (root excluded; merged candidates are edges, not nodes)."""
         return len(self.tokens) - 1
 
     def gram(self, parent: int, token: int) -> tuple[int, ...] | None:
@@ -120,11 +122,13 @@ class DraftGraph:
     def add_children(self, node: int, tokens: list[int], probs: list[float], cells: list[int] | None = None,
                      depth_limit: int | None = None) -> list[int]:
         """Expand ``node`` with its candidates in rank order (``tokens`` distinct; a -1 token or a zero
-        probability ends the list). Returns the new nodes to expand next (in order). ``depth_limit``: this
-        row's depth bound if lower than ``max_depth``."""
+        probability ends the list). Each candidate becomes an edge, to a new node or merged into an
+        existing one, until the graph holds ``max_nodes`` edges (later candidates are dropped, whatever
+        their values). Returns the new nodes to expand next (in order). ``depth_limit``: this row's depth
+        bound if lower than ``max_depth``."""
         limit = self.max_depth if depth_limit is None else min(depth_limit, self.max_depth)
         self.expanded[node] = True
-        live = [(t, p, c) for t, p, c in zip(tokens, probs, cells or [-1] * len(tokens))]
+        live = list(zip(tokens, probs, cells or [-1] * len(tokens)))
         cut = next((i for i, (t, p, _) in enumerate(live) if t < 0 or p <= 0.0), len(live))
         live = live[:cut]
         self.cands[node] = [(t, p) for t, p, _ in live]
@@ -132,29 +136,36 @@ class DraftGraph:
         depth = self.depth[node] + 1
         grow = []
         for tok, p, c in live:
+            if self.num_edges >= self.max_nodes:
+                break
             g = self.gram(node, tok) if self.merge else None
             target = self.grams.get(g) if g is not None else None
             if target is not None:
                 if not self.reaches(target, node):
-                    self.edges[node].append(Edge(tok, p, target, True, c))
+                    self._edge(node, Edge(tok, p, target, True, c))
                     self.merges += 1
                     continue
                 self.refused += 1
-            if self.size >= self.max_nodes:
-                continue
             new = len(self.tokens)
             self.tokens.append(tok)
             self.parent.append(node)
             self.depth.append(depth)
-            self.prob.append(p)
-            self.cell.append(c)
             self.edges.append([])
             self.expanded.append(False)
-            self.edges[node].append(Edge(tok, p, new, False, c))
+            self._edge(node, Edge(tok, p, new, False, c))
             self._register(new)
             if depth < limit and p >= self.prob_threshold and p >= self.sibling_threshold * best:
                 grow.append(new)
         return grow
+
+    def _edge(self, node: int, edge: Edge) -> None:
+        self.edges[node].append(edge)
+        self.order.append((node, len(self.edges[node]) - 1))
+
+    @property
+    def num_edges(self) -> int:
+        """Candidates placed so far (created nodes and merges)."""
+        return len(self.order)
 
     def candidates(self, node: int) -> list[int]:
         """The tokens ``node`` was expanded with, in rank order (those the node cap dropped included;
@@ -169,27 +180,34 @@ class DraftGraph:
         """The graph as a tree whose root-to-node paths are exactly the graph's paths (a node reached by
         several paths appears once per path), capped at ``max_nodes`` draft nodes.
 
-        Order: first the created nodes in creation order (a breadth-first tree), then the copies a merge
-        edge adds, breadth-first. A created node's place therefore never depends on merges decided after
-        it, which the sampling argument in :mod:`specdec.drafters.graph_draft` relies on.
+        Order: first one tree node per edge, in the order the edges were placed (level by level, each
+        node's candidates in rank order; a merged candidate sits among its siblings like a created one);
+        then, breadth-first, the copies of what lies under each merge's target (``copied``). A candidate's
+        place, and whether the cap keeps it, depend only on the candidates placed before it, never on its
+        own value, which the sampling argument in :mod:`specdec.drafters.graph_draft` relies on.
         """
         cap = float("inf") if max_nodes is None else max_nodes
         flat = Flat()
-        place = {0: flat.add(self.tokens[0], -1, 0, False, 1.0, -1)}
-        for n in range(1, len(self.tokens)):
+        flat.add(self.tokens[0], -1, 0, False, 1.0, -1)
+        place = {0: 0}  # created node -> its tree node
+        merged = []
+        for node, i in self.order:
             if len(flat) > cap:
                 break
-            place[n] = flat.add(self.tokens[n], place[self.parent[n]], n, False, self.prob[n], self.cell[n])
-        i = 0
-        while i < len(flat) and len(flat) <= cap:
-            node, copied = flat.nodes[i], flat.copied[i]
-            for e in self.edges[node]:
+            e = self.edges[node][i]
+            at = flat.add(e.token, place[node], e.node, False, e.prob, e.cell)
+            if e.merged:
+                merged.append(at)
+            else:
+                place[e.node] = at
+        todo, j = merged, 0
+        while j < len(todo) and len(flat) <= cap:
+            at = todo[j]
+            for e in self.edges[flat.nodes[at]]:
                 if len(flat) > cap:
                     break
-                if not copied and not e.merged:
-                    continue  # the created child itself is already placed
-                flat.add(e.token, i, e.node, True, e.prob, e.cell)
-            i += 1
+                todo.append(flat.add(e.token, at, e.node, True, e.prob, e.cell))
+            j += 1
         return flat
 
     def paths(self, limit: int = 100_000) -> set[tuple[int, ...]]:
