@@ -167,9 +167,9 @@ def test_merging_saves_draft_rows():
     finally:
         hook.remove()
     assert out[1][0] == out[0][0]
-    assert out[1][2]["merges"] > 0 and out[0][2]["merges"] == 0
+    assert out[1][2]["graph"]["merges"] > 0 and out[0][2]["graph"]["merges"] == 0
     assert out[1][1] < out[0][1]
-    assert out[1][2]["draft_rows"] < out[0][2]["draft_rows"]
+    assert out[1][2]["graph"]["draft_rows"] < out[0][2]["graph"]["draft_rows"]
 
 
 @pytest.mark.parametrize("options,match", [
@@ -201,6 +201,6 @@ def test_feature_draft_and_stats():
     prompts = [[3, 4, 5, 6, 7, 9, 11], [8], [20, 21, 22, 1, 30]]
     res = dec.generate_ids(prompts, "gsd", 16, GREEDY, prob_threshold=0.0, sibling_threshold=0.0, max_depth=3)
     assert res.tokens == [hf_generate(target, p, 16, GREEDY) for p in prompts]
-    assert res.stats.drafter["draft_forwards"] > res.stats.steps  # levels past the first were drafted
-    cov = res.stats.drafter["coverage"]
-    assert cov["1"][0] > 0 and cov["1"][1] <= cov["1"][2] <= cov["1"][0]
+    assert res.stats.drafter["graph"]["draft_forwards"] > 0  # levels past the first were drafted
+    d = res.stats.drafter
+    assert d["reached"]["1"] > 0 and d["top1"]["1"] <= d["topk"]["1"] <= d["reached"]["1"]

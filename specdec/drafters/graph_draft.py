@@ -27,17 +27,20 @@ has two variants (``siblings``):
   renormalised: exactly the distribution it was drawn from given those draws. The verifier's recursive
   rejection rule is exact when each tried candidate follows the proposal it is verified with, given
   everything drawn before (each test then turns the current target distribution into the residual, and
-  the residual's own continuation is exact by induction). That holds as long as whether a node is in
-  the tree does not depend on its own value: a node selected *because* of its value follows ``q``
-  conditioned on being selected, not ``q``. Here a created node is always in the tree unless the node
-  cap cut it, and the cap counts nodes created before it (their values, never its own); the thresholds
-  only decide whether a node is *expanded*, which changes its descendants (tried only after it is
-  accepted, given its value) and the nodes created after it. Two things do depend on a node's own
-  value and are verified one-hot instead: a merged candidate (it exists as a copy because its n-gram
-  matched) with everything copied under it, and any node kept by the cost planner, whose size choice
-  reads every estimate; so ``siblings=sample`` runs without the planner (``schedule=static``). Nodes
-  dropped for their own value are simply never tried: the later siblings' proposals already condition on
-  them. A one-hot node among proposal nodes is exact for the same reason the ``topk`` variant is.
+  the residual's own continuation is exact by induction). That holds as long as neither whether a
+  candidate is in the tree, nor where, nor which proposal it carries depends on its own value: a node
+  selected *because* of its value follows ``q`` conditioned on being selected, not ``q``. The unmerged
+  tree therefore has one node per candidate, in the order the candidates were placed, merged or not
+  (:meth:`DraftGraph.unmerge`), and the node cap counts candidates placed before it, never its own
+  value. The thresholds only decide whether a node is *expanded*: that changes its descendants (tried
+  only after it is accepted, given its value) and the places of later candidates (their predecessors'
+  values, not theirs). What a merge copies under a merged candidate (the target's successors, drawn in
+  another context, present because the candidate's value matched) is verified one-hot. The cost planner
+  would choose sizes from every node's estimate, its own included, so ``siblings=sample`` runs without it
+  (``schedule=static``). Candidates dropped for any reason are simply never tried: the later siblings'
+  proposals already condition on them. A one-hot node is exact for the same reason the ``topk`` variant
+  is. ``tests/test_sampling.py`` checks both variants, merges included, with chi-square tests and
+  catches a planted bug (siblings verified against the undivided ``q``).
 """
 from __future__ import annotations
 
@@ -140,7 +143,14 @@ class GraphDrafter(Drafter):
             self._observe(self._graphs[r], seq[r][end - n: end])  # the accepted drafts, then the next token
 
     def summary(self) -> dict:
-        return dict(self._stats, coverage={str(d): v for d, v in sorted(self._stats["coverage"].items())})
+        """Counter groups (summed over prompts by the bench): ``graph`` (steps, draft forwards and rows, graph
+        nodes, merges, refused merges, unmerged tree nodes before planning, copied nodes), and per depth ``d``
+        the times the target reached an expanded node at depth ``d - 1`` (``reached``) and how often its token
+        there was the draft's first candidate (``top1``) or any of the ``k`` (``topk``)."""
+        cov = sorted(self._stats["coverage"].items())
+        counts = {k: v for k, v in self._stats.items() if k != "coverage"}
+        return {"graph": counts, **{name: {str(d): v[i] for d, v in cov} for i, name in enumerate(("reached", "top1",
+                                                                                                   "topk"))}}
 
     # ---- drafting -----------------------------------------------------------------------------------
 
