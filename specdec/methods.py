@@ -107,9 +107,11 @@ class GSDOptions:
     siblings: str = option("topk", "topk: the k most likely tokens, verified one-hot; sample: k draws without "
                                    "replacement, each verified against the distribution it was drawn from "
                                    "(sampling only)", SIBLINGS)
-    schedule: str | None = option(None, "cost: the planner keeps the nodes worth their measured verification cost "
-                                        "(calibrated draft probabilities); static: the whole unmerged tree up to "
-                                        "max_nodes (default: cost with siblings=topk, static with siblings=sample)",
+    schedule: str | None = option(None, "cost: a node is expanded, and a level drafted, only where it may pay for "
+                                        "the draft forward, and the planner keeps the nodes worth their measured "
+                                        "verification cost (calibrated draft probabilities); static: the paper's "
+                                        "rules alone, the whole unmerged tree up to max_nodes (default: cost with "
+                                        "siblings=topk, static with siblings=sample)",
                                   ("cost", "static"))
     proposal_topk: int = option(64, "siblings=sample: the draft draws from its k most likely tokens (renormalised)")
     draft: str | None = option(None, "which loaded draft (default: the first)", cli=False)
@@ -257,16 +259,17 @@ def _build_gsd(dec, o: GSDOptions, sampling: SamplingConfig):
     if schedule == "cost" and o.siblings == "sample":
         raise ValueError("siblings=sample runs with schedule=static: the planner keeps nodes by estimates that read "
                          "their own drawn values, which would bias the proposals they are verified with")
-    calibration = None
+    calibration = cost = seconds = None
     if schedule == "cost":  # learned across calls, per draft and sampling configuration
-        key = ("gsd", o.draft or dec.draft_names()[0], sampling.greedy, sampling.temperature, sampling.top_k,
-               sampling.top_p)
+        name = o.draft or dec.draft_names()[0]
+        key = ("gsd", name, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
         calibration = dec.acceptance(key, ProbabilityCalibration)
+        cost, seconds = dec.step_cost(), dec.draft_seconds(name)
     drafter = GraphDrafter(cls(runner, sampling, o.proposal_topk), sampling, k=o.k, tau=o.tau,
                            prob_threshold=o.prob_threshold, sibling_threshold=o.sibling_threshold,
                            max_depth=o.max_depth, max_nodes=o.max_nodes, merge=bool(o.merge), siblings=o.siblings,
-                           calibration=calibration)
-    return drafter, StaticLength(o.max_depth, cost=dec.step_cost() if calibration is not None else None)
+                           calibration=calibration, cost=cost, draft_seconds=seconds)
+    return drafter, StaticLength(o.max_depth, cost=cost)
 
 
 NGRAMMYS_CORPUS_SLOTS = 2  # ngrammys' default ``c`` where an n-gram corpus fits the model

@@ -199,7 +199,8 @@ def test_feature_draft_and_stats():
     target = tiny_model("llama", VOCAB)
     dec = SpecDecoder(target, draft=tiny_eagle(target))
     prompts = [[3, 4, 5, 6, 7, 9, 11], [8], [20, 21, 22, 1, 30]]
-    res = dec.generate_ids(prompts, "gsd", 16, GREEDY, prob_threshold=0.0, sibling_threshold=0.0, max_depth=3)
+    res = dec.generate_ids(prompts, "gsd", 16, GREEDY, prob_threshold=0.0, sibling_threshold=0.0, max_depth=3,
+                           schedule="static")
     assert res.tokens == [hf_generate(target, p, 16, GREEDY) for p in prompts]
     assert res.stats.drafter["graph"]["draft_forwards"] > 0  # levels past the first were drafted
     d = res.stats.drafter

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import Budget, DecodeState, Drafter
+from specdec.drafters.base import Budget, DecodeState, Drafter, StepCostLike
 from specdec.drafters.draft_graph import DraftGraph, Flat
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.tree import DraftTree, SparseProbs
@@ -54,6 +54,17 @@ from specdec.verify import SamplingConfig, processed_logits
 from specdec import kernels
 
 SIBLINGS = ("topk", "sample")
+
+
+def _plan(reach: list[float], costs: list[float]) -> tuple[int, float]:
+    """The planner's choice on the host: of nodes with ``reach`` (descending), how many to verify and the
+    expected tokens that emits (``1 + sum of their reach``), maximising tokens per ``costs[n]`` (``c(n+1)``)."""
+    best_n, best_e, best_rate, expected = 0, 1.0, 1.0 / costs[0], 1.0
+    for n, r in enumerate(reach[: len(costs) - 1], start=1):
+        expected += r
+        if expected / costs[n] > best_rate:
+            best_n, best_e, best_rate = n, expected, expected / costs[n]
+    return best_n, best_e
 
 
 def sibling_proposals(probs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -75,12 +86,15 @@ class GraphDrafter(Drafter):
     :class:`DraftGraph`; max_depth: levels per step; max_nodes: draft nodes per row's verified tree
     (the graph creates at most this many too); siblings: ``topk`` or ``sample`` (see the module
     docstring); calibration: maps the draft's probabilities to acceptance estimates
-    (:class:`~specdec.policies.ProbabilityCalibration`), None for no estimates (no planning).
+    (:class:`~specdec.policies.ProbabilityCalibration`), None for no estimates (no planning); cost,
+    draft_seconds: the target's measured :class:`~specdec.policies.StepCost` and the seconds of one draft
+    forward, which with ``calibration`` make the drafting depth cost-aware (:meth:`_worth_expanding`).
     """
 
     def __init__(self, base: DraftModelDrafter, sampling: SamplingConfig, k: int = 4, tau: int = 2,
                  prob_threshold: float = 0.2, sibling_threshold: float = 0.3, max_depth: int = 10,
-                 max_nodes: int = 64, merge: bool = True, siblings: str = "topk", calibration=None):
+                 max_nodes: int = 64, merge: bool = True, siblings: str = "topk", calibration=None,
+                 cost: StepCostLike | None = None, draft_seconds: float | None = None):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         if tau < 0:
@@ -103,6 +117,9 @@ class GraphDrafter(Drafter):
         self.prob_threshold, self.sibling_threshold = prob_threshold, sibling_threshold
         self.max_depth, self.max_nodes = max_depth, max_nodes
         self.calibration = calibration
+        self.cost, self.draft_seconds = cost, draft_seconds
+        # Cost-aware drafting depth: needs acceptance estimates, the target's step cost and the draft's.
+        self._planning = calibration is not None and cost is not None and draft_seconds is not None
         self.needs_hidden = base.needs_hidden
         self.base.margin = max_nodes + 8
         self._graphs: list[DraftGraph | None] = []
@@ -185,6 +202,8 @@ class GraphDrafter(Drafter):
                     c = [cells + col * self.k + i for i in range(self.k)] if q is not None else None
                     grow[r] += [(n, col) for n in g.add_children(node, toks[r][col], ps[r][col], c, limits[r])]
             cells += width * self.k
+            if self._planning:
+                grow = self._worth_expanding(graphs, grow)
             f = max(len(x) for x in grow)
             if f == 0 or level == self.max_depth:
                 break
@@ -217,6 +236,55 @@ class GraphDrafter(Drafter):
             self._stats["draft_rows"] += sum(len(x) for x in grow)
             fed = [[node for node, _ in row] for row in grow]
         return self._tree(state, graphs, proposals)
+
+    def _worth_expanding(self, graphs: list[DraftGraph | None], grow: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+        """schedule=cost: the frontier cut to what may pay for another draft forward.
+
+        Each row's tree is planned as the decode loop's planner will (most likely nodes first, the size with
+        the most expected tokens per second), which gives its expected tokens ``E`` and the reach a further
+        node needs to be kept, ``E * (c(n+2) - c(n+1)) / c(n+1)``. A frontier node is expanded only if its
+        reach times the draft's measured top-1 coverage clears that bar (its best child could be kept), and
+        the level only if its nodes' reach times the top-k coverage, the tokens it may add, is worth the
+        draft forward's share of a step (``E * d / c(n+1)`` summed over rows).
+        """
+        top1, topk = self._coverage()
+        costs = self.cost.costs(self.max_nodes + 2)
+        gain, price, out = 0.0, 0.0, []
+        for r, row in enumerate(grow):
+            g = graphs[r]
+            if g is None or not row:
+                out.append(row)
+                continue
+            reach = self._reach(g)
+            n, expected = _plan(sorted((reach[e] for e in range(1, len(reach))), reverse=True), costs)
+            bar = expected * (costs[n + 1] - costs[n]) / costs[n]
+            keep = [(node, col) for node, col in row if reach[node] * top1 >= bar]
+            out.append(keep)
+            gain += topk * sum(reach[node] for node, _ in keep)
+            price += expected * self.draft_seconds / costs[n]
+        return out if gain >= price else [[] for _ in grow]
+
+    def _reach(self, g: DraftGraph) -> list[float]:
+        """The calibrated reach of every created node of ``g`` (indexed by node; the root's is 1), then that of
+        every merged candidate."""
+        by_node = [1.0] * len(g.tokens)
+        extra = []
+        est = self.calibration([g.edges[u][i].prob for u, i in g.order])
+        for (u, i), e in zip(g.order, est):
+            edge = g.edges[u][i]
+            if edge.merged:
+                extra.append(by_node[u] * e)
+            else:
+                by_node[edge.node] = by_node[u] * e
+        return by_node + extra
+
+    def _coverage(self) -> tuple[float, float]:
+        """The share of target tokens at an expanded node that were the draft's first / any candidate, so
+        far (prior 0.3 / 0.5, worth 10 observations)."""
+        reached = sum(v[0] for v in self._stats["coverage"].values())
+        hits1 = sum(v[1] for v in self._stats["coverage"].values())
+        hitsk = sum(v[2] for v in self._stats["coverage"].values())
+        return (hits1 + 3.0) / (reached + 10.0), (hitsk + 5.0) / (reached + 10.0)
 
     def _children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, SparseProbs | None]:
         """Candidates of every column of ``logits [B,F,V]``: tokens ``[B,F,k]`` (target ids, -1 where a
