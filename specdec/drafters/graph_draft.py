@@ -243,11 +243,10 @@ class GraphDrafter(Drafter):
         Each row's tree is planned as the decode loop's planner will (most likely nodes first, the size with
         the most expected tokens per second), which gives its expected tokens ``E`` and the reach a further
         node needs to be kept, ``E * (c(n+2) - c(n+1)) / c(n+1)``. A frontier node is expanded only if its
-        reach times the draft's measured top-1 coverage clears that bar (its best child could be kept), and
-        the level only if its nodes' reach times the top-k coverage, the tokens it may add, is worth the
-        draft forward's share of a step (``E * d / c(n+1)`` summed over rows).
+        reach times the draft's measured top-1 coverage at its children's depth clears that bar (its best
+        child could be kept), and the level only if its nodes' reach times the top-k coverage, the tokens it
+        may add, is worth the draft forward's share of a step (``E * d / c(n+1)`` summed over rows).
         """
-        top1, topk = self._coverage()
         costs = self.cost.costs(self.max_nodes + 2)
         gain, price, out = 0.0, 0.0, []
         for r, row in enumerate(grow):
@@ -258,9 +257,9 @@ class GraphDrafter(Drafter):
             reach = self._reach(g)
             n, expected = _plan(sorted((reach[e] for e in range(1, len(reach))), reverse=True), costs)
             bar = expected * (costs[n + 1] - costs[n]) / costs[n]
-            keep = [(node, col) for node, col in row if reach[node] * top1 >= bar]
+            keep = [(node, col) for node, col in row if reach[node] * self._coverage(g.depth[node] + 1)[0] >= bar]
             out.append(keep)
-            gain += topk * sum(reach[node] for node, _ in keep)
+            gain += sum(reach[node] * self._coverage(g.depth[node] + 1)[1] for node, _ in keep)
             price += expected * self.draft_seconds / costs[n]
         return out if gain >= price else [[] for _ in grow]
 
@@ -278,12 +277,10 @@ class GraphDrafter(Drafter):
                 by_node[edge.node] = by_node[u] * e
         return by_node + extra
 
-    def _coverage(self) -> tuple[float, float]:
-        """The share of target tokens at an expanded node that were the draft's first / any candidate, so
-        far (prior 0.3 / 0.5, worth 10 observations)."""
-        reached = sum(v[0] for v in self._stats["coverage"].values())
-        hits1 = sum(v[1] for v in self._stats["coverage"].values())
-        hitsk = sum(v[2] for v in self._stats["coverage"].values())
+    def _coverage(self, depth: int) -> tuple[float, float]:
+        """How often the target's token at ``depth`` (given it reached an expanded node above) was the draft's
+        first / any candidate, so far (prior 0.3 / 0.5, worth 10 observations)."""
+        reached, hits1, hitsk = self._stats["coverage"].get(depth, (0, 0, 0))
         return (hits1 + 3.0) / (reached + 10.0), (hitsk + 5.0) / (reached + 10.0)
 
     def _children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, SparseProbs | None]:
