@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from specdec import methods
-from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate
+from specdec import memory, methods
+from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate, tree_margin
 from specdec.draft_models import is_feature_draft
 from specdec.hub import DEFAULT_MODEL, DRAFTS, cache_dir, load_model, tables_cache_dir
 from specdec.model import ModelRunner
@@ -231,12 +231,22 @@ class SpecDecoder:
         return self.tokenizer(prompt)["input_ids"]
 
     def generate_ids(self, prompts: list[list[int]], method: str = "pld", max_new_tokens: int = 128,
-                     sampling: SamplingConfig = SamplingConfig(), **options) -> DecodeResult:
+                     sampling: SamplingConfig = SamplingConfig(), *, max_memory: int | str | None = None,
+                     chunk: bool = True, **options) -> DecodeResult:
         """Generate from token-id prompts ``[[int]]`` (a ragged batch) with a registered method
         (:mod:`specdec.methods`; ``specdec generate --help`` lists each method's options and defaults).
 
         ``options``: the method's options by name, as values or strings (``draft_length=2`` or
-        ``draft_length="2"``); unknown names and bad values raise ``ValueError``."""
+        ``draft_length="2"``); unknown names and bad values raise ``ValueError``.
+
+        Memory: before allocating, the call's need beyond the loaded weights is estimated
+        (:mod:`specdec.memory`: the KV caches, sized for the method's largest tree, and the largest transient
+        buffers) and compared with ``max_memory`` (bytes, or a string such as ``"2GiB"``; default: 90% of what
+        the device has free, counting the caches this decoder already holds as free). A batch that needs more
+        runs as consecutive chunks that fit, one after another (rows are independent: the outputs are the
+        same; ``stats.chunks`` says how many); ``chunk=False`` raises :class:`specdec.memory.MemoryLimitError`
+        instead, naming the estimate, the limit and the largest batch that fits.
+        """
         spec = methods.get(method)
         opts = spec.parse(options)
         self._use_compiled()
@@ -246,12 +256,65 @@ class SpecDecoder:
         for p in prompts:
             if any(not 0 <= t < vocab for t in p):
                 raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        if spec.build is None:
+        if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:  # the loops' own errors
             return autoregressive_generate(self.runner, prompts, max_new_tokens, sampling, self.eos)
-        if spec.prepare is not None:
-            spec.prepare(self, opts, prompts, max_new_tokens, sampling)
-        drafter, policy = spec.build(self, opts, sampling)
-        return speculative_generate(self.runner, drafter, prompts, max_new_tokens, sampling, self.eos, policy)
+        drafter = policy = None
+        if spec.build is not None:
+            if spec.prepare is not None:
+                spec.prepare(self, opts, prompts, max_new_tokens, sampling)
+            drafter, policy = spec.build(self, opts, sampling)
+        shape = self._call_shape(spec, opts, drafter, policy, max_new_tokens, sampling)
+        parts, need = self._fit(shape, [len(p) for p in prompts], max_memory, chunk)
+        result = None
+        for start, end in parts:
+            rows = prompts[start:end]
+            if drafter is None:
+                res = autoregressive_generate(self.runner, rows, max_new_tokens, sampling, self.eos)
+            else:
+                res = speculative_generate(self.runner, drafter, rows, max_new_tokens, sampling, self.eos, policy)
+            res.stats.memory_estimate = need[(start, end)]
+            if result is None:
+                result = res
+            else:
+                result.tokens += res.tokens
+                result.stats.merge(res.stats)
+        return result
+
+    def estimate_memory(self, prompts: list[list[int]], method: str = "pld", max_new_tokens: int = 128,
+                        sampling: SamplingConfig = SamplingConfig(), **options) -> "memory.MemoryEstimate":
+        """What :meth:`generate_ids` with these arguments is estimated to need beyond the loaded weights, for
+        the whole batch in one generation (:func:`specdec.memory.estimate`)."""
+        spec = methods.get(method)
+        opts = spec.parse(options)
+        drafter, policy = spec.build(self, opts, sampling) if spec.build is not None else (None, None)
+        shape = self._call_shape(spec, opts, drafter, policy, max_new_tokens, sampling)
+        return memory.estimate(shape, [len(p) for p in prompts])
+
+    def _call_shape(self, spec, opts, drafter, policy, max_new_tokens: int, sampling: SamplingConfig) -> "memory.CallShape":
+        return memory.CallShape(
+            self.model, self.get_draft(getattr(opts, "draft", None))[0] if spec.needs_draft else None,
+            0 if drafter is None else tree_margin(drafter, policy, max_new_tokens), max_new_tokens,
+            memory.sampling_copies(sampling), drafter is not None and drafter.needs_hidden)
+
+    def _fit(self, shape: "memory.CallShape", lens: list[int], max_memory, chunk: bool):
+        """The row ranges to run (one, or chunks that fit) and each one's estimated bytes."""
+        if max_memory is not None:
+            limit = memory.parse_bytes(max_memory)
+        else:  # caches this decoder holds are reused or freed before the call allocates
+            held = sum(r.cache_bytes() for r in [self.runner] + [r for _, r in self.drafts.values()])
+            limit = int(0.9 * (memory.available_bytes(self.runner.device) + held))
+        whole = memory.estimate(shape, lens)
+        if whole.total <= limit:
+            return [(0, len(lens))], {(0, len(lens)): whole.total}
+        parts = memory.chunks(lens, lambda l: memory.estimate(shape, l), limit)
+        if not chunk:
+            most = max(e - s for s, e in parts)
+            raise memory.MemoryLimitError(
+                f"{len(lens)} rows need about {whole}, more than the {limit / memory.GIB:.2f} GiB this call may use "
+                f"({'max_memory' if max_memory is not None else '90% of the free memory'}); the largest batch of "
+                f"these prompts that fits is {most} rows. Pass chunk=True to run it in {len(parts)} chunks, or "
+                "lower the batch, prompt length or max_new_tokens")
+        return parts, {(s, e): memory.estimate(shape, lens[s:e]).total for s, e in parts}
 
     def generate(self, prompt: str, method: str = "pld", max_new_tokens: int = 128, chat: bool = True,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,

@@ -127,6 +127,8 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
                 "drafted_tokens": stats.drafted_tokens if stats else None,
                 "accepted_tokens": stats.accepted_tokens if stats else None,
                 "drafter": stats.drafter if stats and stats.drafter else None,
+                "chunks": stats.chunks if stats else None,
+                "memory_estimate": stats.memory_estimate if stats else None,
                 "identical_to_reference": None, "_tokens": tokens,
             }
             if m == "hf":

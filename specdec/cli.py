@@ -99,7 +99,8 @@ def cmd_generate(args) -> int:
     dec = _decoder(args)
     s = _sampling(args)
     out = dec.generate(args.prompt, args.method, args.max_new_tokens, chat=not args.no_chat, temperature=s.temperature,
-                       top_k=s.top_k, top_p=s.top_p, seed=s.seed, **_method_options(args, args.method))
+                       top_k=s.top_k, top_p=s.top_p, seed=s.seed, max_memory=args.max_memory,
+                       **_method_options(args, args.method))
     if args.json:
         stats = asdict(out.stats)
         print(json.dumps({"text": out.text, "tokens": out.tokens, "stats": stats}))
@@ -107,7 +108,9 @@ def cmd_generate(args) -> int:
         print(out.text)
         st = out.stats
         print(f"[{args.method}] {len(out.tokens)} tokens in {st.total_s:.2f}s, {st.target_calls} target calls, "
-              f"{st.accepted_tokens}/{st.drafted_tokens} drafts accepted", file=sys.stderr)
+              f"{st.accepted_tokens}/{st.drafted_tokens} drafts accepted, memory estimate "
+              f"{(st.memory_estimate or 0) / 2**20:.0f} MiB" + (f", {st.chunks} chunks" if st.chunks > 1 else ""),
+              file=sys.stderr)
     return 0
 
 
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt", required=True)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print text, tokens and stats as JSON")
+    g.add_argument("--max-memory", default=None, help="memory the call may use beyond the weights, e.g. 2GiB "
+                   "(default: 90%% of the free memory); a call that needs more runs in chunks")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmark methods against transformers side by side")
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FloatingPointError) as exc:
+    except (ValueError, FloatingPointError, MemoryError) as exc:
         print(f"specdec: error: {exc}", file=sys.stderr)
         return 2
 

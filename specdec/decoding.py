@@ -18,7 +18,6 @@ from specdec.policies import StaticLength, cap_nodes, prune
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig, Verifier
 
-TREE_MARGIN = 256  # cache room past the longest sequence for one step's draft tree
 
 
 @dataclass
@@ -38,6 +37,18 @@ class DecodeStats:
     total_s: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
     drafter: dict = field(default_factory=dict)
+    chunks: int = 1  # generations the batch was split into to fit memory (``SpecDecoder.generate_ids``)
+    memory_estimate: int | None = None  # bytes the largest chunk was estimated to need beyond the weights
+
+    def merge(self, other: "DecodeStats") -> None:
+        """Add the counters of ``other``, a generation of other rows run after this one (a batch chunk)."""
+        for name in ("target_calls", "draft_calls", "drafted_tokens", "accepted_tokens", "steps", "prefill_s",
+                     "target_s", "draft_s", "total_s", "chunks"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.accept_lengths += other.accept_lengths
+        self.drafter = _add_counters(self.drafter, other.drafter)
+        if other.memory_estimate is not None:
+            self.memory_estimate = max(self.memory_estimate or 0, other.memory_estimate)
 
     def record(self, step: "StepOutcome", rows: list[int]) -> None:
         """Count one verification step of the ``rows`` still generating."""
@@ -47,6 +58,13 @@ class DecodeStats:
             self.drafted_tokens += step.drafted[r]
             self.accepted_tokens += step.lengths[r] - 1
             self.accept_lengths.append(step.lengths[r] - 1)
+
+
+def _add_counters(a, b):
+    """Nested dicts of numbers added key by key."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _add_counters(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+    return a + b
 
 
 @dataclass
@@ -144,6 +162,12 @@ class StepOutcome:
                    [h[2: 2 + h[0]] for h in host])
 
 
+def tree_margin(drafter: Drafter, policy, max_new_tokens: int) -> int:
+    """Cache room past the longest sequence for one step's draft tree: the largest tree ``drafter`` can
+    propose under ``policy``'s deepest budget (a row never drafts more than it may still emit)."""
+    return drafter.max_tree_size(min(policy.max_depth, max_new_tokens))
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: ModelRunner,
@@ -163,7 +187,8 @@ def speculative_generate(
     """
     policy = policy or StaticLength(64)
     stats, t0 = DecodeStats(), time.perf_counter()
-    state, out, verifier = _start(target, prompts, max_new_tokens, sampling, eos_token_ids, TREE_MARGIN)
+    margin = tree_margin(drafter, policy, max_new_tokens)
+    state, out, verifier = _start(target, prompts, max_new_tokens, sampling, eos_token_ids, margin)
     with _timed(stats, "prefill_s", "target_s"):
         logits, prompt_hidden = target.prefill(state.padded(), state.seq_lens, drafter.needs_hidden)
     stats.target_calls += 1

@@ -274,12 +274,21 @@ class ModelRunner:
         self.compiled_calls = 0
         self.reset(1, 0)
 
+    def cache_bytes(self) -> int:
+        """Bytes of the KV buffers this runner holds between calls (reused or freed by the next reset)."""
+        return sum(t.numel() * t.element_size() for kv in self._pool.values() for t in kv)
+
     @property
     def compiled(self) -> bool:
         return self._compiled is not None
 
     def reset(self, batch_size: int, capacity: int) -> None:
-        """Drop all state: ``batch_size`` empty rows with room for ``capacity`` positions each."""
+        """Drop all state: ``batch_size`` empty rows with room for ``capacity`` positions each.
+
+        Cache buffers of an earlier call are reused where they fit (same rows, at least this capacity) and
+        otherwise freed here, before any new one is allocated, so old and new never coexist."""
+        if any(k.shape[0] != batch_size or k.shape[2] < capacity for k, _ in self._pool.values()):
+            self._pool.clear()
         self.batch_size = batch_size
         self.cache = PreallocatedCache(self.config.num_hidden_layers, batch_size, capacity, self.device, self._pool)
         if self._compiled is not None and self.device.type == "cpu":

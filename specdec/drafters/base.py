@@ -136,6 +136,12 @@ class Drafter:
     def begin(self, state: DecodeState) -> None:
         self.draft_calls = 0
 
+    def max_tree_size(self, depth: int) -> int:
+        """The most nodes (root included) a tree of this drafter can have when budgets allow ``depth`` draft
+        tokens: the target's cache keeps that much room past each row (a drafter that does not know says
+        256)."""
+        return 256
+
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         raise NotImplementedError
 
@@ -159,6 +165,9 @@ class Drafter:
 
 class NullDrafter(Drafter):
     """No drafts: every step verifies only the root (plain autoregressive decoding)."""
+
+    def max_tree_size(self, depth: int) -> int:
+        return 1
 
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         return DraftTree.chain(state.roots)

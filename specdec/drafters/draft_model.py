@@ -45,6 +45,9 @@ class DraftModelDrafter(Drafter):
         self.target_vocab = model.config.get_text_config().vocab_size
         self.margin = 8  # cache room past the longest sequence (a drafter growing trees in the pending region needs more)
 
+    def max_tree_size(self, depth: int) -> int:
+        return 1 + depth
+
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
         b = state.seq.shape[0]

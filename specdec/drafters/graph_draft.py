@@ -138,6 +138,9 @@ class GraphDrafter(Drafter):
         return {"steps": 0, "draft_rows": 0, "draft_forwards": 0, "graph_nodes": 0, "merges": 0, "refused_merges": 0,
                 "tree_nodes": 0, "copied_nodes": 0, "coverage": {}}
 
+    def max_tree_size(self, depth: int) -> int:
+        return 1 + self.max_nodes
+
     def add_hidden(self, hidden: torch.Tensor, counts: torch.Tensor) -> None:
         self.base.add_hidden(hidden, counts)
 

@@ -160,6 +160,9 @@ class NGrammysDrafter(Drafter):
                                                       torch.where(in_q, ctx_slot - n_long[:, None], big_rank)))
         return drafts, source, rank.clamp(0, k - 1)
 
+    def max_tree_size(self, depth: int) -> int:
+        return 1 + self.k * min(self.w, depth)  # k branches that share nothing, at most
+
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         w = min(self.w, budget.depth)
         self._chain_of_node = None

@@ -26,6 +26,9 @@ class PromptLookupDrafter(Drafter):
         self.acceptance = acceptance
         self._signal: list[int] = []
 
+    def max_tree_size(self, depth: int) -> int:
+        return 1 + min(self.num_tokens, depth)
+
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         w = min(self.num_tokens, budget.depth)
         self._signal = []

@@ -24,6 +24,11 @@ class StaticLength:
             raise ValueError(f"max_nodes must be >= 0, got {max_nodes}")
         self.k, self.cost, self.stop, self.max_nodes = k, cost, stop, max_nodes
 
+    @property
+    def max_depth(self) -> int:
+        """The deepest budget this policy ever gives."""
+        return self.k
+
     def begin(self, batch_size: int, state=None) -> None:
         """A new generation of ``batch_size`` rows starts (``state``: its :class:`DecodeState`)."""
         if self.stop is not None:
@@ -60,6 +65,10 @@ class HeuristicLength(StaticLength):
         super().__init__(k, cost, stop, max_nodes)
         self.max_k = max_k
         self._rows: list[int] = []
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.k, self.max_k)
 
     def begin(self, batch_size: int, state=None) -> None:
         super().begin(batch_size, state)

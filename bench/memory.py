@@ -1,0 +1,100 @@
+"""The memory a generation needs: specdec's estimate against the peak measured, per batch size.
+
+Each batch size runs in a fresh process (so memory freed by an earlier run cannot hide a peak): load the
+model, warm up on one short prompt, then one ``generate_ids`` call over the first ``B`` dev prompts while a
+thread samples the process's resident memory every millisecond. The measured figure is the peak less the
+resident memory just before the call; the estimate is :func:`specdec.memory.estimate` for the same call::
+
+    python -m bench.memory --batches 1,16,64 --method pld --dtype fp32 --json bench/results/memory_fp32.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Samples resident memory in a thread while the ``with`` body runs; ``peak`` holds the largest."""
+
+    def __enter__(self):
+        self.peak, self._stop = rss(), False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop:
+            self.peak = max(self.peak, rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop = True
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+
+def one(args) -> dict:
+    from specdec.api import SpecDecoder
+    from specdec.prompts import read_prompts
+    from specdec.verify import SamplingConfig
+
+    dec = SpecDecoder("smollm2", draft=args.draft, dtype=args.dtype, compile="off")
+    prompts = [p.ids for p in read_prompts(args.prompts, dec)]
+    rows = [prompts[i % len(prompts)] for i in range(args.one)]
+    sampling = SamplingConfig(temperature=args.temperature, seed=0)
+    dec.generate_ids([prompts[0][:16]], args.method, 4, sampling)  # lazy initialisation, untimed and unmeasured
+    gc.collect()
+    before = rss()
+    with PeakRSS() as peak:
+        res = dec.generate_ids(rows, args.method, args.max_new_tokens, sampling, max_memory=args.max_memory)
+    measured = peak.peak - before
+    est = res.stats.memory_estimate
+    return {"batch": args.one, "method": args.method, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "longest_prompt": max(len(r) for r in rows), "chunks": res.stats.chunks,
+            "estimate_bytes": est, "measured_peak_bytes": measured, "estimate_over_measured": est / measured,
+            "rss_before_bytes": before,
+            "parts": dec.estimate_memory(rows, args.method, args.max_new_tokens, sampling).parts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--method", default="pld")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-memory", default=None, help="forwarded to generate_ids (forces chunks when small)")
+    ap.add_argument("--prompts", default="bench/dev_prompts.jsonl")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # the child process
+    args = ap.parse_args()
+    if args.one is not None:
+        print(json.dumps(one(args)))
+        return
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        cmd = [sys.executable, "-m", "bench.memory", "--one", str(b)] + sys.argv[1:]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        rows.append(json.loads(out))
+        r = rows[-1]
+        print(f"batch {b:>4}: estimate {r['estimate_bytes'] / 2**20:8.1f} MiB, measured peak "
+              f"{r['measured_peak_bytes'] / 2**20:8.1f} MiB, ratio {r['estimate_over_measured']:.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"runs": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Memory a generation call needs, what the process may use, and batch chunks that fit.
+
+A call allocates, beside the weights already loaded: the target's preallocated KV cache (every row's
+prompt, new tokens and the largest draft tree the method can propose), the draft's cache, and
+transient buffers, the largest of which are the prompt forward's activations and a decode step's
+logits with the verification's fp32 copies of them. :func:`estimate` adds these up from the model
+configs; :func:`chunks` splits a batch into consecutive runs of rows that fit a limit (rows are
+independent, so outputs do not change). The activation factors were fitted to peaks measured on the
+embedded SmolLM2-135M (``python -m bench.memory``; bench/RESULTS.md, "Memory").
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+GIB = 2**30
+
+
+class MemoryLimitError(MemoryError):
+    """A call does not fit the memory it may use (and chunking is off, or one row alone is too large)."""
+
+# Bytes of transient activations per prompt token, in units of (hidden + intermediate) elements at the
+# model's dtype (the MLP's gate, up and product rows and the attention's q/k/v rows live at once).
+PREFILL_FACTOR = 4.0
+# fp32 copies of a step's logits the verifier makes ([B,T,V] each): greedy widens once for the argmax;
+# sampling holds the processed logits, their softmax and the top-p sort's values, order (int64) and cumsum.
+GREEDY_COPIES = 1.0
+SAMPLING_COPIES = 3.0
+TOP_P_COPIES = 4.0
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``value`` in bytes: a number, or a string such as ``"512MiB"`` (powers of 1024 with ``i``) or ``"2.5GB"``,
+    ``"8G"`` (powers of 1000 without)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"a memory size must be > 0, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(value))
+    if not m:
+        raise ValueError(f"cannot read {value!r} as a memory size (e.g. 512MiB, 2.5GB, 8G)")
+    scale = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}[m.group(2).lower()]
+    base = 1024 if m.group(3) else 1000
+    out = int(float(m.group(1)) * base ** scale)
+    if out <= 0:
+        raise ValueError(f"a memory size must be > 0, got {value!r}")
+    return out
+
+
+def available_bytes(device: torch.device | str) -> int:
+    """What a call may still allocate on ``device``: free device memory on a GPU; on the CPU the kernel's
+    MemAvailable, or less where a cgroup (container) limit leaves less."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        import psutil
+
+        avail = int(psutil.virtual_memory().available)
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            avail = min(avail, int(limit) - usage)
+        break
+    return max(0, avail)
+
+
+def _dims(config) -> tuple[int, int, int, int, int, int]:
+    """layers, KV heads, head size, hidden size, MLP size and vocabulary of a (text) config."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    inter = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    return c.num_hidden_layers, kv, head_dim, c.hidden_size, inter, c.vocab_size
+
+
+def kv_cache_bytes(config, rows: int, capacity: int, dtype: torch.dtype) -> int:
+    """Keys and values of every layer for ``rows`` rows of ``capacity`` positions (the runner preallocates
+    all of it, sliding-window layers included)."""
+    layers, kv, head_dim, *_ = _dims(config)
+    return 2 * layers * rows * kv * capacity * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes a call needs beyond the loaded weights, by part."""
+
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def __str__(self) -> str:
+        inner = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items() if v)
+        return f"{self.total / GIB:.2f} GiB ({inner})"
+
+
+@dataclass
+class CallShape:
+    """What a call's memory depends on besides its rows: the models, the largest draft tree (nodes, root
+    included; 0 for autoregressive decoding, which keeps no margin) and whether the drafter reads the target's
+    hidden states."""
+
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tree_nodes: int
+    max_new_tokens: int
+    sampling_copies: float
+    needs_hidden: bool = False
+
+
+def estimate(shape: CallShape, prompt_lens: list[int]) -> MemoryEstimate:
+    """The memory a call over prompts of ``prompt_lens`` tokens needs (see the module docstring)."""
+    b, longest = len(prompt_lens), max(prompt_lens)
+    seq = longest + shape.max_new_tokens + 1
+    cfg, dtype = shape.target.config, shape.target.dtype
+    size = torch.empty(0, dtype=dtype).element_size()
+    layers, _, _, hidden, inter, vocab = _dims(cfg)
+    parts = {"target KV": kv_cache_bytes(cfg, b, seq + shape.tree_nodes, dtype)}
+    if shape.draft is not None:
+        parts["draft KV"] = kv_cache_bytes(shape.draft.config, b, seq + shape.tree_nodes + 8, shape.draft.dtype)
+    prefill = int(PREFILL_FACTOR * b * longest * (hidden + inter) * size)
+    if shape.needs_hidden:  # every layer's hidden states of the prompt (output_hidden_states)
+        prefill += (layers + 1) * b * longest * hidden * size
+    t = max(1, shape.tree_nodes)  # tokens per step (autoregressive decoding keeps no tree margin)
+    logits = b * t * vocab
+    step = logits * size + int(shape.sampling_copies * logits * 4) + int(PREFILL_FACTOR * b * t * (hidden + inter) * size)
+    parts["transient"] = max(prefill, step)
+    return MemoryEstimate(parts)
+
+
+def sampling_copies(sampling) -> float:
+    """fp32 ``[B,T,V]`` copies the verifier holds under ``sampling`` (a :class:`SamplingConfig`)."""
+    if sampling.greedy:
+        return GREEDY_COPIES
+    return SAMPLING_COPIES + (TOP_P_COPIES if sampling.top_p is not None and sampling.top_p < 1.0 else 0.0)
+
+
+def chunks(prompt_lens: list[int], need, limit: int) -> list[tuple[int, int]]:
+    """Consecutive ``[start, end)`` runs of rows whose ``need(lens).total`` fits ``limit`` bytes, each as long
+    as it can be (``need`` grows with rows). Raises :class:`MemoryLimitError` when one row alone does not fit."""
+    out, start = [], 0
+    while start < len(prompt_lens):
+        one = need(prompt_lens[start:start + 1])
+        if one.total > limit:
+            raise MemoryLimitError(f"one row needs about {one} but {limit / GIB:.2f} GiB may be used: shorten the "
+                              "prompt or max_new_tokens, or raise max_memory")
+        lo, hi = start + 1, len(prompt_lens)  # the longest run from ``start`` that fits: binary search
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if need(prompt_lens[start:mid]).total <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        out.append((start, lo))
+        start = lo
+    return out

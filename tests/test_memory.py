@@ -1,0 +1,83 @@
+"""Memory: the estimate's parts, chunking a batch that does not fit, and the errors when it may not."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import memory
+from specdec.api import hf_generate
+from specdec.verify import SamplingConfig
+from tests.test_greedy_lossless import decoder, prompt_of
+
+GREEDY = SamplingConfig()
+
+
+@pytest.mark.parametrize("text,value", [("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("2.5GB", 2_500_000_000),
+                                        ("8G", 8_000_000_000), ("1000", 1000), (4096, 4096), ("3kb", 3000)])
+def test_parse_bytes(text, value):
+    assert memory.parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1GB", "0", 0, -5])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError):
+        memory.parse_bytes(bad)
+
+
+def test_chunks_are_the_longest_runs_that_fit():
+    need = lambda lens: memory.MemoryEstimate({"x": 10 * len(lens) * max(lens)})  # noqa: E731
+    assert memory.chunks([1, 1, 1, 1, 1], need, 30) == [(0, 3), (3, 5)]
+    assert memory.chunks([1, 3, 1, 1], need, 30) == [(0, 1), (1, 2), (2, 4)]
+    with pytest.raises(memory.MemoryLimitError, match="one row"):
+        memory.chunks([1, 4], need, 30)
+
+
+@pytest.mark.parametrize("method,options", [("ar", {}), ("pld", {}), ("sd", {"draft_length": 3}), ("gsd", {}),
+                                            ("ngrammys", {"k": 3, "w": 4})])
+def test_kv_estimate_is_what_the_runners_allocate(method, options):
+    """The estimate's cache parts equal the buffers the runners hold after the call: the target's room per row
+    is the prompt, the new tokens and the method's largest tree, not a fixed margin."""
+    dec = decoder("llama")
+    prompts = [prompt_of(5, seed=1), prompt_of(17, seed=2)]
+    est = dec.estimate_memory(prompts, method, 12, GREEDY, **options)
+    dec.generate_ids(prompts, method, 12, GREEDY, **options)
+    assert est.parts["target KV"] == dec.runner.cache_bytes()
+    if method in ("sd", "gsd"):
+        assert est.parts["draft KV"] >= dec.draft_runner.cache_bytes() > 0
+    trees = {"ar": 0, "pld": 11, "sd": 4, "gsd": 33, "ngrammys": 13}
+    per_position = memory.kv_cache_bytes(dec.model.config, 2, 1, dec.model.dtype)
+    assert dec.runner.cache_bytes() == per_position * (17 + 12 + 1 + trees[method])
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "sd", "gsd"])
+def test_chunked_batch_equals_whole(arch, method):
+    """A ragged batch forced into chunks by a small max_memory gives hf's greedy tokens for every row."""
+    dec = decoder(arch)
+    prompts = [prompt_of(n, seed=n) for n in (3, 17, 9, 30, 5)]
+    one_row = dec.estimate_memory(prompts[3:4], method, 16, GREEDY).total
+    res = dec.generate_ids(prompts, method, 16, GREEDY, max_memory=int(2.5 * one_row))
+    assert res.stats.chunks > 1
+    assert res.tokens == [hf_generate(dec.model, p, 16, GREEDY) for p in prompts]
+    whole = dec.generate_ids(prompts, method, 16, GREEDY)
+    assert whole.stats.chunks == 1 and whole.tokens == res.tokens
+
+
+def test_chunking_off_raises_with_the_numbers():
+    dec = decoder("llama")
+    prompts = [prompt_of(12, seed=i) for i in range(6)]
+    one_row = dec.estimate_memory(prompts[:1], "pld", 16, GREEDY).total
+    with pytest.raises(memory.MemoryLimitError, match=r"6 rows need about .* GiB.*largest batch .* is 2 rows"):
+        dec.generate_ids(prompts, "pld", 16, GREEDY, max_memory=int(2.5 * one_row), chunk=False)
+    with pytest.raises(memory.MemoryLimitError, match="one row needs"):
+        dec.generate_ids(prompts, "pld", 16, GREEDY, max_memory=one_row // 2)
+
+
+def test_sampling_needs_more_than_greedy():
+    dec = decoder("llama")
+    prompts = [prompt_of(12)]
+    greedy = dec.estimate_memory(prompts, "pld", 16, GREEDY).total
+    assert dec.estimate_memory(prompts, "pld", 16, SamplingConfig(temperature=0.8, top_p=0.9)).total > greedy
+
+
+def test_available_memory_is_positive():
+    assert memory.available_bytes(torch.device("cpu")) > 0
