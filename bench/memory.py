@@ -1,7 +1,8 @@
 """The memory a generation needs: specdec's estimate against the peak measured, per batch size.
 
-Each batch size runs in a fresh process (so memory freed by an earlier run cannot hide a peak): load the
-model, warm up on one short prompt, then one ``generate_ids`` call over the first ``B`` dev prompts while a
+Each batch size runs in a fresh process (so memory freed by an earlier run cannot hide a peak; glibc maps
+every allocation past 64 KiB on its own there, so resident memory follows what is live): load the model,
+warm up on one short prompt, then one ``generate_ids`` call over the first ``B`` dev prompts while a
 thread samples the process's resident memory every millisecond. The measured figure is the peak less the
 resident memory just before the call; the estimate is :func:`specdec.memory.estimate` for the same call::
 
@@ -86,7 +87,11 @@ def main() -> None:
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         cmd = [sys.executable, "-m", "bench.memory", "--one", str(b)] + sys.argv[1:]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        # glibc keeps freed heap memory for reuse, so a peak could hide in memory an earlier allocation (model
+        # loading) freed: every allocation past 64 KiB is mapped and unmapped on its own instead, and resident
+        # memory then follows what is live.
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
         rows.append(json.loads(out))
         r = rows[-1]
         print(f"batch {b:>4}: estimate {r['estimate_bytes'] / 2**20:8.1f} MiB, measured peak "

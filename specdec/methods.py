@@ -292,11 +292,11 @@ register(Method("sd", "classic speculative decoding with a same-vocabulary draft
                 _build_sd, _prepare_sd))
 register(Method("pld", "prompt lookup: the continuation of the longest matching context n-gram, cut to a "
                        "cost-aware length", PLDOptions, False, _build_pld))
+register(Method("ngrammys", "N-Grammys: k drafts from context n-grams, the n-gram corpus and the model's bigram "
+                            "table, merged into one trie", NGrammysOptions, False, _build_ngrammys))
 register(Method("gsd", "GSD: the draft model's top-k continuations grown level by level as a graph (recurring "
                        "n-grams merged, low-probability nodes not expanded), verified as one tree", GSDOptions, True,
                 _build_gsd))
-register(Method("ngrammys", "N-Grammys: k drafts from context n-grams, the n-gram corpus and the model's bigram "
-                            "table, merged into one trie", NGrammysOptions, False, _build_ngrammys))
 
 
 def get(name: str) -> Method:
