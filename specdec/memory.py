@@ -22,13 +22,16 @@ GIB = 2**30
 class MemoryLimitError(MemoryError):
     """A call does not fit the memory it may use (and chunking is off, or one row alone is too large)."""
 
-# Bytes of transient activations per prompt token, in units of (hidden + intermediate) elements at the
-# model's dtype (the MLP's gate, up and product rows and the attention's q/k/v rows live at once).
-PREFILL_FACTOR = 4.0
-# fp32 copies of a step's logits the verifier makes ([B,T,V] each): greedy widens once for the argmax;
-# sampling holds the processed logits, their softmax and the top-p sort's values, order (int64) and cumsum.
-GREEDY_COPIES = 1.0
-SAMPLING_COPIES = 3.0
+# Transient bytes per token of a forward, per (hidden + intermediate) element: the MLP's gate, up and product
+# rows and the attention's rows live at once. Half precision costs more than fp32: on a CPU without bf16
+# matrix instructions the products widen their rows to fp32 (specdec.linear). Measured on SmolLM2-135M:
+# 12.7-13.3 bytes (fp32) and 24.0-25.3 (bf16) at batch 16 and 64 (bench/RESULTS.md, Memory).
+FORWARD_BYTES = {4: 14.0, 2: 26.0}
+# fp32 copies of a step's logits ([B,T,V] each) the verifier makes beyond widening half-precision logits:
+# greedy none (the argmax reads the widened logits); sampling the processed logits and their softmax, and
+# with top-p the sort's values, order (int64, two) and cumulative sums.
+GREEDY_COPIES = 0.0
+SAMPLING_COPIES = 2.0
 TOP_P_COPIES = 4.0
 
 
@@ -140,12 +143,14 @@ def estimate(shape: CallShape, prompt_lens: list[int]) -> MemoryEstimate:
     parts = {"target KV": kv_cache_bytes(cfg, b, seq + shape.tree_nodes, dtype)}
     if shape.draft is not None:
         parts["draft KV"] = kv_cache_bytes(shape.draft.config, b, seq + shape.tree_nodes + 8, shape.draft.dtype)
-    prefill = int(PREFILL_FACTOR * b * longest * (hidden + inter) * size)
+    per_token = FORWARD_BYTES.get(size, 26.0) * (hidden + inter)
+    prefill = int(per_token * b * longest)
     if shape.needs_hidden:  # every layer's hidden states of the prompt (output_hidden_states)
         prefill += (layers + 1) * b * longest * hidden * size
     t = max(1, shape.tree_nodes)  # tokens per step (autoregressive decoding keeps no tree margin)
     logits = b * t * vocab
-    step = logits * size + int(shape.sampling_copies * logits * 4) + int(PREFILL_FACTOR * b * t * (hidden + inter) * size)
+    copies = shape.sampling_copies + (0 if size == 4 else 1)  # half-precision logits are widened once
+    step = logits * size + int(copies * logits * 4) + int(per_token * b * t)
     parts["transient"] = max(prefill, step)
     return MemoryEstimate(parts)
 
