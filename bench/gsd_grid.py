@@ -11,9 +11,7 @@ baselines; then plots speedup over ``sd`` and tokens per call per knob::
 """
 from __future__ import annotations
 
-import argparse
-import json
-
+from bench.grid_common import grid_parser, load_or_run, save_figure
 from specdec.methods import parse_label
 
 KNOBS = {"k": (1, 2, 4, 8), "tau": (0, 1, 2, 3), "prob_threshold": (0.0, 0.1, 0.2, 0.4),
@@ -69,40 +67,15 @@ def plot(result: dict, png: str, title: str) -> None:
     axes[0, 0].set_ylabel("tok/s over sd (1 draft token)\n(dotted: ar)")
     axes[1, 0].set_ylabel("tokens per target call")
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, title, png)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bf16")
+    ap = grid_parser(__doc__, 64)
     ap.add_argument("--draft", default="smollm2-draft")
-    ap.add_argument("--prompts", default="bench/dev_prompts.jsonl")
-    ap.add_argument("--per-category", type=int, default=1)
-    ap.add_argument("--shard", default="0/1", help="I/N: run every N-th prompt from the I-th (merge with bench.report)")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
-    ap.add_argument("--from-json", default=None, help="plot this earlier result instead of measuring")
     args = ap.parse_args()
-    if args.from_json:
-        with open(args.from_json) as f:
-            result = json.load(f)
-    else:
-        from specdec.api import SpecDecoder
-        from specdec.bench import bench_config, format_table, read_prompts, run_bench
-        from specdec.verify import SamplingConfig
-
-        dec = SpecDecoder("smollm2", draft=args.draft, dtype=args.dtype, compile="off")
-        i, n = (int(x) for x in args.shard.split("/"))
-        prompts = read_prompts(args.prompts, dec, per_category=args.per_category)[i::n]
-        result = run_bench(dec, ["ar", BASELINE] + grid_labels(), prompts, args.max_new_tokens, SamplingConfig(), {},
-                           bench_config("smollm2", args.draft, args.dtype, args.max_new_tokens, SamplingConfig()))
-        print(format_table(result))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+    result = load_or_run(args, ["ar", BASELINE] + grid_labels(), args.draft, compile="off")
     if args.png:
         cfg = result.get("config", {})
         plot(result, args.png, f"GSD on SmolLM2-135M with {cfg.get('draft')} ({cfg.get('dtype')}, CPU, "

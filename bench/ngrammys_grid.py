@@ -11,9 +11,7 @@ speedup and tokens-per-call heatmaps::
 """
 from __future__ import annotations
 
-import argparse
-import json
-
+from bench.grid_common import grid_parser, load_or_run, save_figure
 from specdec.methods import parse_label
 
 
@@ -55,43 +53,19 @@ def plot(result: dict, png: str, title: str) -> None:
                 if not np.isnan(z[i, j]):
                     ax.text(j, i, f"{z[i, j]:.2f}", ha="center", va="center", color="w", fontsize=8)
         fig.colorbar(im, ax=ax)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, title, png)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--prompts", default="bench/dev_prompts.jsonl")
+    ap = grid_parser(__doc__, 128)
     ap.add_argument("--linear", default="auto", help="linear kernel of the target (see specdec bench --linear)")
-    ap.add_argument("--per-category", type=int, default=1)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ks", default="1,2,4,6,10")
     ap.add_argument("--ws", default="2,4,6,8,10")
     ap.add_argument("--extra", default="", help="options appended to every label, e.g. :verify=batch")
-    ap.add_argument("--json", default=None)
     ap.add_argument("--png", required=True)
-    ap.add_argument("--from-json", default=None, help="plot this earlier result instead of measuring")
     args = ap.parse_args()
-    if args.from_json:
-        with open(args.from_json) as f:
-            result = json.load(f)
-    else:
-        from specdec.api import SpecDecoder
-        from specdec.bench import bench_config, format_table, read_prompts, run_bench
-        from specdec.verify import SamplingConfig
-
-        dec = SpecDecoder("smollm2", dtype=args.dtype, linear=args.linear)
-        prompts = read_prompts(args.prompts, dec, per_category=args.per_category)
-        labels = grid_labels([int(x) for x in args.ks.split(",")], [int(x) for x in args.ws.split(",")], args.extra)
-        result = run_bench(dec, ["hf"] + labels, prompts, args.max_new_tokens, SamplingConfig(), {},
-                           bench_config("smollm2", None, args.dtype, args.max_new_tokens, SamplingConfig(),
-                                        args.linear))
-        print(format_table(result))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+    labels = grid_labels([int(x) for x in args.ks.split(",")], [int(x) for x in args.ws.split(",")], args.extra)
+    result = load_or_run(args, ["hf"] + labels, linear=args.linear)
     cfg = result.get("config", {})
     plot(result, args.png, f"N-Grammys on SmolLM2-135M ({cfg.get('dtype')}, CPU, {cfg.get('max_new_tokens')} new tokens)")
 
