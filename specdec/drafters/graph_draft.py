@@ -83,8 +83,8 @@ class GraphDrafter(Drafter):
     feature-conditioned).
 
     k: candidates per expanded node; tau, prob_threshold, sibling_threshold, merge: see
-    :class:`DraftGraph`; max_depth: levels per step; max_nodes: draft nodes per row's verified tree
-    (the graph creates at most this many too); siblings: ``topk`` or ``sample`` (see the module
+    :class:`DraftGraph`; max_depth: levels per step; max_nodes: candidates a row's graph places, and draft
+    nodes in its verified tree; siblings: ``topk`` or ``sample`` (see the module
     docstring); calibration: maps the draft's probabilities to acceptance estimates
     (:class:`~specdec.policies.ProbabilityCalibration`), None for no estimates (no planning); cost,
     draft_seconds: the target's measured :class:`~specdec.policies.StepCost` and the seconds of one draft
