@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from specdec import methods
 from specdec.api import SpecDecoder, hf_generate
+from specdec.decoding import add_counters
 from specdec.draft_models import is_feature_draft
 from specdec.methods import parse_label
 from specdec.prompts import Prompt, read_prompts
@@ -164,10 +165,7 @@ def summarize(runs: list[dict]) -> dict:
         ident = [r["identical_to_reference"] for r in rs if r["identical_to_reference"] is not None]
         drafter: dict = {}
         for r in rs:  # sum drafter counters (e.g. ngrammys' allocation per source) over prompts
-            for group, counters in (r.get("drafter") or {}).items():
-                acc = drafter.setdefault(group, {})
-                for key, value in counters.items():
-                    acc[key] = acc.get(key, 0) + value
+            drafter = add_counters(drafter, r.get("drafter") or {})
         summary[m] = {
             "tokens_per_second": tokens / seconds if seconds else 0.0,
             "tokens_per_call": tokens / calls if calls else None,

@@ -46,7 +46,7 @@ class DecodeStats:
                      "target_s", "draft_s", "total_s", "chunks"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accept_lengths += other.accept_lengths
-        self.drafter = _add_counters(self.drafter, other.drafter)
+        self.drafter = add_counters(self.drafter, other.drafter)
         if other.memory_estimate is not None:
             self.memory_estimate = max(self.memory_estimate or 0, other.memory_estimate)
 
@@ -60,10 +60,10 @@ class DecodeStats:
             self.accept_lengths.append(step.lengths[r] - 1)
 
 
-def _add_counters(a, b):
-    """Nested dicts of numbers added key by key."""
+def add_counters(a, b):
+    """Nested dicts of numbers added key by key (drafter summaries of several generations)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return {k: _add_counters(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+        return {k: add_counters(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
     return a + b
 
 

@@ -167,11 +167,6 @@ class DraftGraph:
         """Candidates placed so far (created nodes and merges)."""
         return len(self.order)
 
-    def candidates(self, node: int) -> list[int]:
-        """The tokens ``node`` was expanded with, in rank order (those the node cap dropped included;
-        empty if it was not expanded)."""
-        return [t for t, _ in self.cands.get(node, [])]
-
     def child(self, node: int, token: int) -> int | None:
         """The node ``token`` leads to from ``node`` (None if it is not a candidate)."""
         return next((e.node for e in self.edges[node] if e.token == token), None)

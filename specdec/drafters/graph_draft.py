@@ -56,17 +56,6 @@ from specdec import kernels
 SIBLINGS = ("topk", "sample")
 
 
-def _plan(reach: list[float], costs: list[float]) -> tuple[int, float]:
-    """The planner's choice on the host: of nodes with ``reach`` (descending), how many to verify and the
-    expected tokens that emits (``1 + sum of their reach``), maximising tokens per ``costs[n]`` (``c(n+1)``)."""
-    best_n, best_e, best_rate, expected = 0, 1.0, 1.0 / costs[0], 1.0
-    for n, r in enumerate(reach[: len(costs) - 1], start=1):
-        expected += r
-        if expected / costs[n] > best_rate:
-            best_n, best_e, best_rate = n, expected, expected / costs[n]
-    return best_n, best_e
-
-
 def sibling_proposals(probs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """The distribution each of ``k`` draws without replacement was drawn from: ``probs [...,K]`` with the
     entries drawn before it (``order [...,k]``, indices into K in draw order) removed, renormalised.
@@ -153,14 +142,14 @@ class GraphDrafter(Drafter):
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
                drafted: list[int]) -> None:
         self.base.update(state, tree, path, path_len, drafted)
-        seq = None
-        for r, n in enumerate(path_len):
-            if n == 0 or r >= len(self._graphs) or self._graphs[r] is None:
-                continue
-            if seq is None:
-                seq = state.seq.tolist()
-            end = state.seq_lens_host[r]
-            self._observe(self._graphs[r], seq[r][end - n: end])  # the accepted drafts, then the next token
+        rows = [r for r, n in enumerate(path_len) if n > 0 and r < len(self._graphs) and self._graphs[r] is not None]
+        if not rows:
+            return
+        ends = state.seq_lens_host
+        lo, hi = min(ends[r] - path_len[r] for r in rows), max(ends[r] for r in rows)
+        window = state.seq[:, lo:hi].tolist()  # one transfer of the step's new tokens
+        for r in rows:  # the accepted drafts, then the next token
+            self._observe(self._graphs[r], window[r][ends[r] - path_len[r] - lo: ends[r] - lo])
 
     def summary(self) -> dict:
         """Counter groups (summed over prompts by the bench): ``graph`` (steps, draft forwards and rows, graph
@@ -258,7 +247,7 @@ class GraphDrafter(Drafter):
                 out.append(row)
                 continue
             reach = self._reach(g)
-            n, expected = _plan(sorted((reach[e] for e in range(1, len(reach))), reverse=True), costs)
+            n, expected = self.cost.best_size(sorted(reach[1:], reverse=True), costs)
             bar = expected * (costs[n + 1] - costs[n]) / costs[n]
             keep = [(node, col) for node, col in row if reach[node] * self._coverage(g.depth[node] + 1)[0] >= bar]
             out.append(keep)

@@ -64,6 +64,18 @@ class StepCost:
                 out.append(table[lo] + (table[hi] - table[lo]) * (t - lo) / (hi - lo))
         return out
 
+    def best_size(self, reach: list[float], costs: list[float] | None = None) -> tuple[int, float]:
+        """Of draft nodes reached with probabilities ``reach`` (in the order they would be added), how many
+        to verify for the most expected tokens per second of target time, and the tokens that emits
+        (``1 + `` their reach). ``costs``: :meth:`costs` of at least ``len(reach) + 1`` if the caller has it."""
+        costs = self.costs(len(reach) + 1) if costs is None else costs
+        best_n, best_e, best_rate, expected = 0, 1.0, 1.0 / costs[0], 1.0
+        for n, r in enumerate(reach[: len(costs) - 1], start=1):
+            expected += r
+            if expected / costs[n] > best_rate:
+                best_n, best_e, best_rate = n, expected, expected / costs[n]
+        return best_n, best_e
+
     @classmethod
     def calibrate(cls, runner, context: int = 128, repeats: int = 3, sizes=SIZES, extra_inputs=None) -> "StepCost":
         """Time ``runner`` over chains of each size in ``sizes`` after a ``context``-token prefix.

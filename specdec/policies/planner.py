@@ -54,11 +54,7 @@ def _chain_sizes(reach: list[list[float]], drafted: list[int], cost: StepCost, e
     costs = cost.costs(max(drafted, default=0) + 1)
     out = []
     for row, n in zip(reach, drafted):
-        best, best_rate, expected = 0, 1.0 / costs[0], 1.0
-        for i in range(1, n + 1):
-            expected += row[i]
-            if expected / costs[i] > best_rate:
-                best, best_rate = i, expected / costs[i]
+        best, _ = cost.best_size(row[1: n + 1], costs)
         out.append(min(best + 1, n) if explore else best)
     return out
 
