@@ -212,7 +212,10 @@ def speculative_generate(
         with _timed(stats, "target_s") as seconds:
             logits, hidden = target.forward_tree(tree, drafter.needs_hidden)
         policy.observe_step(tree.size, seconds[0])
-        step = StepOutcome.of(tree, verifier.verify(tree, logits), [not d for d in out.done])
+        verdict = verifier.verify(tree, logits, per_node=drafter.per_node)
+        if drafter.per_node:
+            drafter.observe_verdict(tree, verdict)
+        step = StepOutcome.of(tree, verdict, [not d for d in out.done])
         target.commit(step.path, step.path_len, tree.is_chain, step.lengths)
         state.advance(step)
         active = [r for r, n in enumerate(step.lengths) if n > 0]
@@ -225,6 +228,7 @@ def speculative_generate(
                 drafter.add_hidden(hidden.gather(1, step.path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])),
                                    step.path_len)
             drafter.update(state, tree, step.path, step.lengths, step.drafted)
+    drafter.finish()
     stats.draft_calls = drafter.draft_calls
     stats.drafter = drafter.summary()
     stats.total_s = time.perf_counter() - t0

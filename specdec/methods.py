@@ -13,6 +13,7 @@ the API above it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from specdec.draft_models import is_feature_draft
 from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDrafter
 from specdec.drafters.feature_draft import FeatureDraftDrafter
 from specdec.drafters.graph_draft import SIBLINGS, GraphDrafter
+from specdec.drafters.ouroboros import ATTACH, OuroborosDrafter, PhraseRates
+from specdec.drafters.phrase_pool import PhrasePool
 from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES
 from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance,
                               ProbabilityCalibration, StaticLength, StepCost)
@@ -114,6 +117,34 @@ class GSDOptions:
                                         "siblings=topk, static with siblings=sample)",
                                   ("cost", "static"))
     proposal_topk: int = option(64, "siblings=sample: the draft draws from its k most likely tokens (renormalised)")
+    draft: str | None = option(None, "which loaded draft (default: the first)", cli=False)
+
+
+@dataclass(frozen=True)
+class OuroborosOptions:
+    gamma: int = option(3, "chain tokens the draft model drafts per step")
+    k: int = option(3, "pool phrases appended per attachment point (0: none)", low=0)
+    phrase_len: int = option(4, "tokens per phrase (after its key token)")
+    w: int = option(4, "lookahead window width W (the draft runs (W - 1) + (N - 2) W window nodes per forward)",
+                    low=2)
+    n: int = option(3, "lookahead level N: the window's n-grams have N tokens", low=3)
+    capacity: int = option(8, "phrases the pool keeps per key token (FIFO, refreshed on hit)")
+    n_verify: int = option(4, "pool phrases the draft checks after its last token in each forward", low=0)
+    lookahead: int = option(1, "draft phrase by phrase: lookahead window and pool phrases in the draft's forwards "
+                               "(0: one chain token per draft forward, as sd)", (0, 1))
+    lengthen: int = option(1, "append pool phrases to the draft for the target to verify", (0, 1))
+    verification: int = option(1, "feed the pool from verification: confirmed runs after rejected draft tokens, and "
+                                  "the target's corrections of the phrases it tried", (0, 1))
+    history: int = option(1, "keep the pool across generations (0: every generation starts cold)", (0, 1))
+    attach: str = option("last", "where phrases hang: after the last chain token (the paper) or after every one",
+                         ATTACH)
+    schedule: str | None = option(None, "cost: the planner keeps the nodes worth their measured verification cost "
+                                        "(calibrated draft probabilities, measured phrase acceptance); static: the "
+                                        "whole draft (default: cost when greedy, static when sampling)",
+                                  ("cost", "static"))
+    pool_file: str | None = option(None, "load the pool from this file when it is first made (if the file exists) "
+                                         "and save it there after every generation")
+    proposal_topk: int = option(64, "sampling: the draft samples from its k most likely tokens (renormalised)")
     draft: str | None = option(None, "which loaded draft (default: the first)", cli=False)
 
 
@@ -272,6 +303,38 @@ def _build_gsd(dec, o: GSDOptions, sampling: SamplingConfig):
     return drafter, StaticLength(o.max_depth, cost=cost)
 
 
+def _build_ouroboros(dec, o: OuroborosOptions, sampling: SamplingConfig):
+    draft, runner = dec.get_draft(o.draft)
+    name = o.draft or dec.draft_names()[0]
+    if is_feature_draft(draft):
+        raise ValueError(f"ouroboros needs a plain draft model; {name!r} is feature-conditioned (EAGLE), and its "
+                         "lookahead window would need the target's hidden state at every window node")
+    schedule = o.schedule or ("cost" if sampling.greedy else "static")
+    if schedule == "cost" and not sampling.greedy:
+        raise ValueError("ouroboros samples with schedule=static: the planner would cut chain tokens by estimates "
+                         "read off their own drawn values, which biases the proposals they are verified with")
+    # One pool and one set of learned rates per draft, option set and sampling configuration: labels that run
+    # side by side in a benchmark never read each other's phrases.
+    key = ("ouroboros", name, o, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
+    vocab = dec.model.get_output_embeddings().weight.shape[0]
+
+    def make_pool():
+        if o.pool_file is not None and os.path.exists(o.pool_file):
+            return PhrasePool.load(o.pool_file, vocab, o.capacity, o.phrase_len)
+        return PhrasePool(vocab, o.capacity, o.phrase_len)
+
+    pool = dec.acceptance(key + ("pool",), make_pool)
+    calibration = dec.acceptance(key + ("calibration",), ProbabilityCalibration) if schedule == "cost" else None
+    drafter = OuroborosDrafter(DraftModelDrafter(runner, sampling, o.proposal_topk), sampling, pool, gamma=o.gamma,
+                               k=o.k, window=o.w, level=o.n, n_verify=o.n_verify, lookahead=bool(o.lookahead),
+                               lengthen=bool(o.lengthen), verification=bool(o.verification),
+                               history=bool(o.history), attach=o.attach, calibration=calibration,
+                               rates=dec.acceptance(key + ("rates",), lambda: PhraseRates(o.k, o.phrase_len)),
+                               pool_file=o.pool_file)
+    depth = o.gamma + (o.phrase_len if o.lengthen and o.k else 0)
+    return drafter, StaticLength(depth, cost=dec.step_cost() if schedule == "cost" else None)
+
+
 NGRAMMYS_CORPUS_SLOTS = 2  # ngrammys' default ``c`` where an n-gram corpus fits the model
 
 REGISTRY: dict[str, Method] = {}
@@ -297,6 +360,10 @@ register(Method("ngrammys", "N-Grammys: k drafts from context n-grams, the n-gra
 register(Method("gsd", "GSD: the draft model's top-k continuations grown level by level as a graph (recurring "
                        "n-grams merged, low-probability nodes not expanded), verified as one tree", GSDOptions, True,
                 _build_gsd))
+
+register(Method("ouroboros", "Ouroboros: the draft model drafts phrase by phrase (lookahead window, phrase pool), "
+                             "pool phrases lengthen the draft, verification and history feed the pool",
+                OuroborosOptions, True, _build_ouroboros))
 
 
 def get(name: str) -> Method:

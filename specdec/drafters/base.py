@@ -129,11 +129,14 @@ class Drafter:
     decode loop's planner to prune by; ``update`` gets the accepted path.
     ``draft_calls`` counts forward passes of a draft model (0 for model-free drafters).
     Drafters with ``needs_hidden`` condition on the target's last hidden state: the decode loop then
-    hands them, through :meth:`add_hidden`, the state of every position the target commits.
+    hands them, through :meth:`add_hidden`, the state of every position the target commits. Drafters
+    with ``per_node`` learn from what the target wanted at every node: the decode loop then verifies
+    with per-node outputs and hands the result to :meth:`observe_verdict` before :meth:`update`.
     """
 
     draft_calls: int = 0
     needs_hidden: bool = False
+    per_node: bool = False
 
     def begin(self, state: DecodeState) -> None:
         self.draft_calls = 0
@@ -155,10 +158,18 @@ class Drafter:
         tree's draft nodes per row. Both are host lists the decode loop already has.
         """
 
+    def observe_verdict(self, tree: DraftTree, verdict) -> None:
+        """``per_node`` drafters: the :class:`~specdec.verify.VerifyResult` of ``tree`` (the tree the target
+        verified, possibly pruned from the proposed one), with ``target_argmax`` (greedy) or
+        ``target_topk_*`` (sampling) filled; called before :meth:`update` of the same step."""
+
     def add_hidden(self, hidden: torch.Tensor, counts: torch.Tensor) -> None:
         """The target's last hidden states of the next ``counts [B]`` committed positions of each row,
         in order: ``hidden [B,n,H]`` (columns past ``counts[b]`` are ignored). Called after ``begin``
         with the prompt, then after every verification with the accepted path (root first)."""
+
+    def finish(self) -> None:
+        """The generation is over (a drafter that keeps state outside the process saves it here)."""
 
     def summary(self) -> dict:
         """Drafter-specific statistics of the last generation (JSON-serialisable)."""

@@ -1,0 +1,276 @@
+"""Ouroboros: the phrase pool, the lookahead window, the drafter's parts and its errors."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.api import SpecDecoder
+from specdec.drafters import ouroboros
+from specdec.drafters.lookahead import JacobiWindow, check_window, window_size
+from specdec.drafters import phrase_pool
+from specdec.drafters.phrase_pool import PhrasePool
+from specdec.tree import DraftTree
+from tests.conftest import tiny_model
+from tests.test_feature_draft import VOCAB, tiny_eagle
+from tests.test_greedy_lossless import perturbed
+
+
+# ---- the phrase pool ---------------------------------------------------------------------------------------
+
+def test_pool_keeps_capacity_phrases_per_key_and_evicts_the_oldest():
+    pool = PhrasePool(50, capacity=3, phrase_len=3)
+    for p in ([1, 2], [3, 4], [5, 6], [7, 8]):
+        pool.insert(9, p)
+    assert pool.lookup(9) == [[7, 8], [5, 6], [3, 4]]  # newest first, [1, 2] evicted
+    assert pool.lookup(9, 2) == [[7, 8], [5, 6]]
+    assert pool.lookup(10) == [] and len(pool) == 3
+
+
+def test_pool_refresh_on_hit_protects_a_phrase_from_eviction():
+    pool = PhrasePool(50, capacity=3, phrase_len=3)
+    for p in ([1, 2], [3, 4], [5, 6]):
+        pool.insert(9, p)
+    pool.insert(9, [1, 2])  # a hit: refreshed, now the newest
+    pool.insert(9, [7, 8])  # evicts the least recently touched: [3, 4]
+    assert pool.lookup(9) == [[7, 8], [1, 2], [5, 6]]
+    assert pool.stats()["refreshes"] == 1
+
+
+def test_pool_dedups_prefixes_and_extensions():
+    pool = PhrasePool(50, capacity=4, phrase_len=4)
+    pool.insert(1, [2, 3, 4])
+    pool.insert(1, [2, 3])  # a prefix of a stored phrase: only a refresh
+    assert pool.lookup(1) == [[2, 3, 4]]
+    pool.insert(1, [2, 3, 4, 5, 6])  # extends it (cut to P = 4): replaces it
+    assert pool.lookup(1) == [[2, 3, 4, 5]]
+    pool.insert(1, [2, 7])
+    assert pool.lookup(1) == [[2, 7], [2, 3, 4, 5]]
+
+
+def test_pool_remove_and_replace():
+    pool = PhrasePool(50, capacity=3, phrase_len=3)
+    for p in ([1, 2], [3, 4], [5, 6]):
+        pool.insert(9, p)
+    assert pool.remove(9, [1, 2]) and not pool.remove(9, [1, 2]) and not pool.remove(9, [3])
+    pool.replace(9, [3, 4], [3, 5, 6])
+    assert sorted(pool.lookup(9)) == [[3, 5, 6], [5, 6]]
+    assert pool.lookup(9)[0] == [3, 5, 6]
+
+
+def test_pool_rejects_bad_keys_and_tokens():
+    pool = PhrasePool(10, capacity=2, phrase_len=2)
+    with pytest.raises(ValueError, match="outside the pool's vocabulary"):
+        pool.insert(10, [1])
+    with pytest.raises(ValueError, match="phrase tokens"):
+        pool.insert(1, [1, 12])
+    for args in ((0, 1, 1), (10, 0, 1), (10, 1, 0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            PhrasePool(*args)
+
+
+def test_pool_save_load_round_trip_and_atomic_write(tmp_path, monkeypatch):
+    pool = PhrasePool(100, capacity=3, phrase_len=4)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        pool.insert(int(rng.integers(100)), rng.integers(0, 100, size=int(rng.integers(1, 6))).tolist())
+    path = tmp_path / "pool.npz"
+    pool.save(path)
+    back = PhrasePool.load(path, 100, 3, 4)
+    for key in range(100):
+        assert back.lookup(key) == pool.lookup(key)
+    assert os.listdir(tmp_path) == ["pool.npz"]  # no temporary file left behind
+    # A write that fails half-way (disk full) leaves the old file as it was.
+    before = path.read_bytes()
+
+    def half_write(f, **arrays):
+        f.write(b"PK half a file")
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(phrase_pool.np, "savez", half_write)
+    with pytest.raises(OSError, match="no space"):
+        pool.save(path)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["pool.npz"]
+
+
+def test_pool_load_rejects_corrupt_and_mismatched_files(tmp_path):
+    pool = PhrasePool(100, capacity=3, phrase_len=4)
+    pool.insert(5, [1, 2, 3])
+    good = tmp_path / "pool.npz"
+    pool.save(good)
+    with pytest.raises(ValueError, match="vocabulary is 100"):
+        PhrasePool.load(good, vocab_size=200)
+    with pytest.raises(ValueError, match="phrase length is 4"):
+        PhrasePool.load(good, 100, 3, 5)
+    truncated = tmp_path / "truncated.npz"
+    truncated.write_bytes(good.read_bytes()[:100])
+    with pytest.raises(ValueError, match="not a readable phrase pool"):
+        PhrasePool.load(truncated)
+    other = tmp_path / "other.npz"
+    np.savez(other, x=np.zeros(3))
+    with pytest.raises(ValueError, match="not a phrase pool file"):
+        PhrasePool.load(other)
+    with np.load(good) as z:
+        fields = {k: z[k] for k in z.files}
+    fields["phrases"] = fields["phrases"] + 1000  # token ids outside the vocabulary
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **fields)
+    with pytest.raises(ValueError, match="corrupt"):
+        PhrasePool.load(bad)
+
+
+# ---- the lookahead window ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("width,level", [(2, 3), (4, 3), (3, 5)])
+def test_window_is_a_tree_with_the_lookahead_depths(width, level):
+    w = JacobiWindow(width, level, list(range(10, 30)), np.random.default_rng(0))
+    toks, pars = w.layout(1)
+    assert len(toks) == w.size == window_size(width, level)
+    tree = DraftTree.from_parents(torch.tensor([[7] + toks]), torch.tensor([[-1] + pars]))  # checks parents < child
+    depth = tree.depth[0].tolist()
+    expect = [0] + [j + 1 for j in range(width - 1)] + [j + lv for lv in range(1, level - 1) for j in range(width)]
+    assert depth == expect
+    # level-l column j sees level 0 before column j and levels 1..l of column j
+    node = 1 + (width - 1) + (level - 3) * width + (width - 1)  # the last level's last column
+    chain = []
+    while node > 0:
+        chain.append(node)
+        node = pars[node - 1]
+    assert len(chain) == depth[1 + w.size - 1]
+
+
+def test_window_update_spells_ngrams_and_shifts():
+    w = JacobiWindow(3, 4, [1], np.random.default_rng(0))
+    w.levels = [[10, 11], [20, 21, 22], [30, 31, 32]]
+    grams = w.update(99, [40, 41, 42])
+    assert grams == [(99, [20, 30, 40]), (10, [21, 31, 41]), (11, [22, 32, 42])]
+    assert w.levels == [[21, 22], [30, 31, 32], [40, 41, 42]]
+
+
+def test_window_too_small_is_refused():
+    with pytest.raises(ValueError, match="W >= 2"):
+        check_window(1, 3)
+    with pytest.raises(ValueError, match="N >= 3"):
+        check_window(4, 2)
+
+
+# ---- the method ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dec():
+    target = tiny_model("llama")
+    return SpecDecoder(target, draft=perturbed(target, 0.3))
+
+
+@pytest.fixture(scope="module")
+def exact_dec():
+    """The draft is the target: the window's n-grams are the target's own continuations, so the draft's walk
+    into pool phrases and the target's acceptance of appended phrases both happen."""
+    target = tiny_model("llama")
+    return SpecDecoder(target, draft=perturbed(target, 0.0))
+
+
+def prompts_of(seed: int, lens=(5, 9, 14)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 90, (n,), generator=g).tolist() for n in lens]
+
+
+PARTS = [dict(lookahead=a, lengthen=b, verification=c, history=d) for a in (0, 1) for b in (0, 1) for c in (0, 1)
+         for d in (0, 1)]
+
+
+@pytest.mark.parametrize("parts", PARTS, ids=lambda p: "".join(str(v) for v in p.values()))
+def test_every_combination_of_parts_is_lossless(exact_dec, parts):
+    prompts = prompts_of(1)
+    ref = exact_dec.generate_ids(prompts, "ar", 30).tokens
+    for attach in ("last", "all"):
+        res = exact_dec.generate_ids(prompts, "ouroboros", 30, **parts, attach=attach, gamma=4)
+        assert res.tokens == ref, (parts, attach)
+
+
+def test_the_walk_and_the_phrases_happen_and_stay_exact(exact_dec):
+    exact_dec.reset_learned()
+    prompts = prompts_of(2)
+    ref = exact_dec.generate_ids(prompts, "ar", 40).tokens
+    res = exact_dec.generate_ids(prompts, "ouroboros", 40, gamma=5, schedule="static")
+    assert res.tokens == ref
+    s = res.stats.drafter["ouroboros"]
+    assert s["walk_tokens"] > 0 and s["phrase_tokens_accepted"] > 0 and s["from_window"] > 0, s
+    assert res.stats.draft_calls < s["chain_tokens"]  # phrases saved draft forwards
+
+
+def test_a_warm_pool_from_other_prompts_never_changes_an_output(dec):
+    dec.reset_learned()
+    target = dec.generate_ids(prompts_of(3), "ar", 30).tokens
+    cold = dec.generate_ids(prompts_of(3), "ouroboros", 30, history=0).tokens
+    for seed in (4, 5, 6):  # warm the history pool on other prompts
+        dec.generate_ids(prompts_of(seed), "ouroboros", 30)
+    warm = dec.generate_ids(prompts_of(3), "ouroboros", 30)
+    assert dec.acceptance(next(k for k in dec._acceptance if k[-1] == "pool"), None).stats()["phrases"] > 0
+    assert cold == target and warm.tokens == target
+
+
+def test_history_off_starts_every_generation_cold(dec):
+    dec.reset_learned()
+    dec.generate_ids(prompts_of(7), "ouroboros", 20, history=0)
+    res = dec.generate_ids(prompts_of(8), "ouroboros", 20, history=0)
+    pool = res.stats.drafter["pool"]
+    assert pool["inserts"] == pool["phrases"] or pool["inserts"] >= pool["phrases"]
+    # every insert counted was made in this generation: the counters restart with the pool
+    assert res.stats.drafter["ouroboros"]["from_window"] + res.stats.drafter["ouroboros"]["from_verification"] \
+        + res.stats.drafter["ouroboros"]["corrections"] >= pool["inserts"]
+
+
+def test_pool_file_is_saved_and_loaded(dec, tmp_path):
+    dec.reset_learned()
+    path = tmp_path / "phrases.npz"
+    dec.generate_ids(prompts_of(9), "ouroboros", 20, pool_file=str(path))
+    assert path.exists()
+    saved = PhrasePool.load(path)
+    dec.reset_learned()  # a new pool: read from the file
+    res = dec.generate_ids(prompts_of(10), "ouroboros", 20, pool_file=str(path), lookahead=0, verification=0)
+    assert res.stats.drafter["pool"]["phrases"] == len(saved)
+
+
+def test_a_corrupt_pool_file_is_a_clear_error(dec, tmp_path):
+    dec.reset_learned()
+    path = tmp_path / "phrases.npz"
+    path.write_bytes(b"not a zip file at all")
+    with pytest.raises(ValueError, match="not a readable phrase pool"):
+        dec.generate_ids(prompts_of(9), "ouroboros", 5, pool_file=str(path))
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"k": -1}, "'k' must be >= 0"),
+    ({"phrase_len": 0}, "'phrase_len' must be >= 1"),
+    ({"w": 1}, "'w' must be >= 2"),
+    ({"n": 2}, "'n' must be >= 3"),
+    ({"gamma": 0}, "'gamma' must be >= 1"),
+    ({"attach": "middle"}, "'attach' must be one of"),
+])
+def test_bad_options_are_clear_errors(dec, opts, match):
+    with pytest.raises(ValueError, match=match):
+        dec.generate_ids(prompts_of(1), "ouroboros", 5, **opts)
+
+
+def test_sampling_with_the_planner_and_feature_drafts_are_refused(dec):
+    from specdec.verify import SamplingConfig
+
+    with pytest.raises(ValueError, match="schedule=static"):
+        dec.generate_ids(prompts_of(1), "ouroboros", 5, SamplingConfig(temperature=0.8), schedule="cost")
+    target = tiny_model("llama", VOCAB)
+    feature = SpecDecoder(target, draft=tiny_eagle(target))
+    with pytest.raises(ValueError, match="plain draft model"):
+        feature.generate_ids([[1, 2, 3]], "ouroboros", 5)
+
+
+def test_walk_follows_only_matching_draws():
+    trie = ouroboros._Trie(5)
+    a = trie.add(0, 7, 1, (0, 0))
+    trie.add(a, 8, 1, (0, 1))
+    picks = [7, 0, 3, 0]  # root draws 7 (a phrase head), node 1 draws 0 (no child)
+    assert ouroboros.walk(trie, picks, 10) == ([7, 0], [0, 1])
+    assert ouroboros.walk(trie, picks, 1) == ([7], [0])
+    assert ouroboros.walk(trie, [6, 8, 9], 10) == ([6], [0])
