@@ -407,7 +407,7 @@ def e2e_pvalues(dec: SpecDecoder, method: str, config: str, eos: bool, rows: int
     # too little for the "speculation happened" check (2,000 of the 3,000 drafts wanted, seen twice).
     method, own = methods.parse_label(method)  # "name" or a label "name:key=value"
     opts = {"sd": {"draft_length": 2}, "ngrammys": {"k": 3, "w": 2}, "pld": {"schedule": "static"},
-            "gsd": {"k": 2, "max_depth": 2}}.get(method, {})
+            "gsd": {"k": 2, "max_depth": 2}, "ouroboros": {"gamma": 3}}.get(method, {})
     opts = runnable(dec, {**opts, **own})
     out, drafted, accepted = [], 0, 0
     for chunk in range(rows // E2E_CHUNK):
@@ -440,6 +440,8 @@ E2E_CASES += [("sd:schedule=disco:disco_mode=cost", "temp0.8", False), ("sd:conf
 # GSD's two sibling variants; tau=0 merges often on this prompt, so copies (verified one-hot) are tried too.
 E2E_CASES += [("gsd:siblings=sample", "temp0.8", False), ("gsd:siblings=sample:tau=0", "topk6-topp0.85", False),
               ("gsd:tau=0", "temp0.8", True)]
+# Ouroboros: every part on, phrases after every chain token; and with EOS.
+E2E_CASES += [("ouroboros:attach=all", "topk6-topp0.85", False), ("ouroboros", "temp0.8", True)]
 
 
 @pytest.mark.parametrize("method,config,eos", E2E_CASES)
@@ -471,6 +473,36 @@ def test_gsd_planted_bug_is_detected(e2e_decoder, monkeypatch):
     pvals, *_ = e2e_pvalues(e2e_decoder, "gsd:siblings=sample:k=3", "topk6-topp0.85", False)
     assert min(pvals.values()) < POWER, pvals  # the pass criterion reads the smallest p-value too
 
+
+
+def test_ouroboros_walk_happens_and_a_planted_walk_bug_is_detected(e2e_decoder, monkeypatch):
+    """The draft's walk into pool phrases happens on this prompt (so the cases above test it), and a walk that
+    moves into a phrase without the draft's draw matching it (the phrase token then carries a ``q`` it was
+    not drawn from) fails the test."""
+    from specdec.drafters import ouroboros
+
+    e2e_decoder.reset_learned()
+    res = e2e_decoder.generate_ids([E2E_PROMPT] * 200, "ouroboros", E2E_NEW, SamplingConfig(temperature=0.8, seed=3),
+                                   gamma=3)
+    res = e2e_decoder.generate_ids([E2E_PROMPT] * 200, "ouroboros", E2E_NEW, SamplingConfig(temperature=0.8, seed=4),
+                                   gamma=3)
+    assert res.stats.drafter["ouroboros"]["walk_tokens"] > 50, res.stats.drafter
+
+    def forced_walk(trie, picks, room, start=0):
+        node, tokens, nodes = start, [], []
+        while True:
+            heads = [c for (p, _), c in trie.child.items() if p == node]
+            tok = trie.tokens[heads[0]] if heads else picks[node]
+            tokens.append(tok)
+            nodes.append(node)
+            if len(tokens) >= room or not heads:
+                return tokens, nodes
+            node = heads[0]
+
+    monkeypatch.setattr(ouroboros, "walk", forced_walk)
+    e2e_decoder.reset_learned()
+    pvals, *_ = e2e_pvalues(e2e_decoder, "ouroboros", "temp0.8", False)
+    assert min(pvals.values()) < POWER, pvals
 
 
 # ----------------------------------------------------------------------------------------

@@ -37,21 +37,21 @@ class JacobiWindow:
         """Nodes the window adds to a tree: ``(W - 1) + (N - 2) W``."""
         return window_size(self.width, self.level)
 
-    def layout(self, offset: int) -> tuple[list[int], list[int]]:
-        """The window's tokens and parents, for nodes numbered from ``offset`` on (parent 0 is the root).
+    def layout(self, offset: int, root: int = 0) -> tuple[list[int], list[int]]:
+        """The window's tokens and parents, for nodes numbered from ``offset`` on, hanging off node ``root``.
         The last level's ``W`` nodes come last."""
         w = self.width
         tokens: list[int] = []
         parents: list[int] = []
         for j, tok in enumerate(self.levels[0]):  # level 0: a chain under the root
             tokens.append(tok)
-            parents.append(0 if j == 0 else offset + j - 1)
+            parents.append(root if j == 0 else offset + j - 1)
         base = offset + (w - 1)
         for lv in range(1, self.level - 1):
             for j, tok in enumerate(self.levels[lv]):
                 tokens.append(tok)
                 if lv == 1:
-                    parents.append(0 if j == 0 else offset + j - 1)
+                    parents.append(root if j == 0 else offset + j - 1)
                 else:
                     parents.append(base + (lv - 2) * w + j)
         return tokens, parents

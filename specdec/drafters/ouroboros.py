@@ -95,12 +95,12 @@ class _Trie:
         return len(self.tokens)
 
 
-def walk(trie: _Trie, picks: list[int], room: int) -> tuple[list[int], list[int]]:
-    """The draft's walk down one row's tree: ``picks[n]`` is its draw (or argmax) at node ``n``. From the root,
-    each node's draw is a chain token; the walk moves on into the phrase child carrying that token, if there
-    is one and ``room`` allows more tokens. Returns the tokens added and the nodes whose draws they are (the
-    root, then the phrase nodes walked into: the path whose KV the draft keeps)."""
-    node, tokens, nodes = 0, [], []
+def walk(trie: _Trie, picks: list[int], room: int, start: int = 0) -> tuple[list[int], list[int]]:
+    """The draft's walk down one row's tree: ``picks[n]`` is its draw (or argmax) at node ``n``. From ``start``
+    (the chain's last token), each node's draw is a chain token; the walk moves on into the phrase child
+    carrying that token, if there is one and ``room`` allows more tokens. Returns the tokens added and the
+    nodes whose draws they are (``start``, then the phrase nodes walked into, whose KV the draft keeps)."""
+    node, tokens, nodes = start, [], []
     while True:
         tok = picks[node]
         tokens.append(tok)
@@ -243,43 +243,50 @@ class OuroborosDrafter(Drafter):
         limits = [min(d, self.gamma) for d in budget.max_depth]
         if max(limits) < 1:
             return DraftTree.chain(state.roots)
-        logits, _ = self.base._catch_up(state)
-        self._stats["draft_forwards"] += 1
-        tok, q, top = self._pick_all(logits[:, None])
-        first = tok[:, 0].tolist()
-        chains = [[first[r]] if limits[r] > 0 else [] for r in range(b)]
-        probs = [[(q.ids[r, 0], q.probs[r, 0])] if q is not None and limits[r] > 0 else [] for r in range(b)]
-        tops = [[top[r, 0].item()] if top is not None and limits[r] > 0 else [] for r in range(b)]
+        chains: list[list[int]] = [[] for _ in range(b)]
+        probs: list[list] = [[] for _ in range(b)]
+        tops: list[list[float]] = [[] for _ in range(b)]
+        # The first forward feeds the committed tokens the draft has not seen (the root last) and its tree hangs
+        # off the root; later ones feed the chain's last token.
+        seen, ends = self.base._seen, state.seq_lens_host
+        lo = min(seen)
+        window = state.seq[:, lo: max(ends)].tolist()  # one transfer
+        prefixes = [window[r][seen[r] - lo: ends[r] - lo] for r in range(b)]
+        self._draft_forward(prefixes, chains, probs, tops, limits, dev)
         while any(len(chains[r]) < limits[r] for r in range(b)):
-            self._draft_forward(chains, probs, tops, limits, dev)
+            prefixes = [[chains[r][-1]] if len(chains[r]) < limits[r] else [] for r in range(b)]
+            self._draft_forward(prefixes, chains, probs, tops, limits, dev)
         self._chains, self._tops = chains, tops
         return self._target_tree(roots, chains, probs, tops, budget.max_depth, dev)
 
-    def _draft_forward(self, chains, probs, tops, limits, dev) -> None:
-        """One draft forward over every row still drafting: its chain's last token, the pool's phrases after
-        it and the lookahead window; the walk adds one or more chain tokens per row."""
+    def _draft_forward(self, prefixes, chains, probs, tops, limits, dev) -> None:
+        """One draft forward: per row, the uncached tokens ``prefixes[r]`` (a chain), and hanging off the last
+        of them the pool's phrases after it and the lookahead window. The prefix's KV is kept; a row still
+        drafting then walks its tree (:func:`walk`), adding one or more chain tokens."""
         b = len(chains)
-        active = [len(chains[r]) < limits[r] for r in range(b)]
+        active = [bool(prefixes[r]) and len(chains[r]) < limits[r] for r in range(b)]
         tries, window_at = [], []
         for r in range(b):
-            root = chains[r][-1] if chains[r] else 0
-            trie = _Trie(root)
+            prefix = prefixes[r] or [0]
+            trie = _Trie(prefix[0])
+            for t in prefix[1:]:
+                trie.add(len(trie) - 1, t, 0, merge=False)
+            anchor = len(trie) - 1
+            window_at.append(-1)
             if active[r] and self.lookahead:
-                for rank, phrase in enumerate(self.pool.lookup(root, self.n_verify)):
-                    node = 0
+                for rank, phrase in enumerate(self.pool.lookup(prefix[-1], self.n_verify)):
+                    node = anchor
                     for pos, t in enumerate(phrase):
                         node = trie.add(node, t, 1, (rank, pos))
                 w = self._windows[r]
-                toks, pars = w.layout(len(trie))
+                toks, pars = w.layout(len(trie), anchor)
                 for t, p in zip(toks, pars):
                     trie.add(p, t, 2, merge=False)
-                window_at.append(len(trie) - w.width)  # the last level's first node
-            else:
-                window_at.append(-1)
+                window_at[r] = len(trie) - w.width  # the last level's first node
             tries.append(trie)
         tokens, parents, valid = _as_tree(tries, dev)
-        if tokens.shape[1] == 1:  # roots only (no lookahead): a one-token chain step, as sd's
-            tree = DraftTree.chain(tokens[:, 0])
+        if all(k == 0 for trie in tries for k in trie.kind):  # prefixes only: chains
+            tree = DraftTree.chain(tokens[:, 0], tokens[:, 1:].masked_fill(~valid[:, 1:], -1))
         else:
             tree = DraftTree.from_parents(tokens, parents, valid, check=False)
         logits, _ = self.base.runner.forward_tree(tree)
@@ -288,34 +295,32 @@ class OuroborosDrafter(Drafter):
         tok, q, top = self._pick_all(logits)
         picks = tok.tolist()
         tops_host = top.tolist() if top is not None else None
-        paths, counts = [], []
+        paths = []
         for r in range(b):
-            if not active[r]:
-                paths.append([])
-                counts.append(0)
-                continue
-            added, path = walk(tries[r], picks[r], limits[r] - len(chains[r]))
-            chains[r] += added
-            for node in path:
-                if q is not None:
-                    probs[r].append((q.ids[r, node], q.probs[r, node]))
-                if tops_host is not None:
-                    tops[r].append(tops_host[r][node])
-            self._stats["walk_tokens"] += len(path) - 1
+            path = list(range(len(prefixes[r])))
+            if active[r]:
+                added, walked = walk(tries[r], picks[r], limits[r] - len(chains[r]), start=path[-1])
+                chains[r] += added
+                for node in walked:
+                    if q is not None:
+                        probs[r].append((q.ids[r, node], q.probs[r, node]))
+                    if tops_host is not None:
+                        tops[r].append(tops_host[r][node])
+                self._stats["walk_tokens"] += len(walked) - 1
+                path += walked[1:]
             paths.append(path)
-            counts.append(len(path))
         if self.lookahead:  # the window's predictions: the draft's argmax at its last level
-            self._window_update(tries, window_at, logits, active)
-        width = max(counts)
-        path_t = torch.full((b, width), -1, dtype=torch.int64)
+            self._window_update(tries, window_at, logits, [prefixes[r][-1] if active[r] else 0 for r in range(b)])
+        counts = [len(p) for p in paths]
+        path_t = torch.full((b, max(counts)), -1, dtype=torch.int64)
         for r, p in enumerate(paths):
             path_t[r, : len(p)] = torch.tensor(p, dtype=torch.int64)
         base = self.base
         base.runner.commit(path_t.to(dev), torch.tensor(counts, device=dev), False, counts)
         base._seen = [s + c for s, c in zip(base._seen, counts)]
 
-    def _window_update(self, tries, window_at, logits: torch.Tensor, active) -> None:
-        rows = [r for r in range(len(tries)) if active[r] and window_at[r] >= 0]
+    def _window_update(self, tries, window_at, logits: torch.Tensor, keys: list[int]) -> None:
+        rows = [r for r in range(len(tries)) if window_at[r] >= 0]
         if not rows:
             return
         w = self.window
@@ -325,7 +330,7 @@ class OuroborosDrafter(Drafter):
         if self.base.vocab_map is not None:
             new = self.base.vocab_map[new]
         for r, n in zip(rows, new.tolist()):
-            for key, phrase in self._windows[r].update(tries[r].tokens[0], n):
+            for key, phrase in self._windows[r].update(keys[r], n):
                 self.pool.insert(key, phrase)
                 self._stats["from_window"] += 1
 
