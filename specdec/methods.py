@@ -136,8 +136,10 @@ class OuroborosOptions:
     verification: int = option(1, "feed the pool from verification: confirmed runs after rejected draft tokens, and "
                                   "the target's corrections of the phrases it tried", (0, 1))
     history: int = option(1, "keep the pool across generations (0: every generation starts cold)", (0, 1))
-    attach: str = option("last", "where phrases hang: after the last chain token (the paper) or after every one",
-                         ATTACH)
+    context: int = option(0, "also feed the pool every committed token's next phrase_len tokens, prompt and output "
+                             "(not in the paper)", (0, 1))
+    attach: str = option("last", "where phrases hang: after the last chain token (the paper), or after the root and "
+                                 "every chain token", ATTACH)
     schedule: str | None = option(None, "cost: the planner keeps the nodes worth their measured verification cost "
                                         "(calibrated draft probabilities, measured phrase acceptance); static: the "
                                         "whole draft (default: cost when greedy, static when sampling)",
@@ -328,8 +330,8 @@ def _build_ouroboros(dec, o: OuroborosOptions, sampling: SamplingConfig):
     drafter = OuroborosDrafter(DraftModelDrafter(runner, sampling, o.proposal_topk), sampling, pool, gamma=o.gamma,
                                k=o.k, window=o.w, level=o.n, n_verify=o.n_verify, lookahead=bool(o.lookahead),
                                lengthen=bool(o.lengthen), verification=bool(o.verification),
-                               history=bool(o.history), attach=o.attach, calibration=calibration,
-                               rates=dec.acceptance(key + ("rates",), lambda: PhraseRates(o.k, o.phrase_len)),
+                               history=bool(o.history), context=bool(o.context), attach=o.attach, calibration=calibration,
+                               rates=dec.acceptance(key + ("rates",), lambda: PhraseRates(o.phrase_len)),
                                pool_file=o.pool_file)
     depth = o.gamma + (o.phrase_len if o.lengthen and o.k else 0)
     return drafter, StaticLength(depth, cost=dec.step_cost() if schedule == "cost" else None)

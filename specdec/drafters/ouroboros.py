@@ -49,25 +49,33 @@ from specdec.verify import SamplingConfig
 
 ATTACH = ("last", "all")
 PHRASE_PRIOR = (0.3, 10.0)  # acceptance of a phrase token before any is observed: rate, weight in observations
+# Where a pool phrase came from (the pool's source tag; a refresh keeps the highest): acceptance is learned per source.
+WINDOW, VERIFICATION, CORRECTION, CONTEXT = 0, 1, 2, 3
+SOURCES = ("window", "verification", "correction", "context")
 
 
 class PhraseRates:
-    """How often the target accepts an appended phrase's token, per phrase rank (newest first) and position,
-    given it reached the token's parent: ``counts [k, P, 2]`` (tried, accepted), learned across generations."""
+    """How often the target accepts an appended phrase's token, per phrase source (:data:`SOURCES`) and position,
+    given it reached the token's parent: ``counts [S, P, 2]`` (tried, accepted), learned across generations."""
 
-    def __init__(self, k: int, phrase_len: int, prior: tuple[float, float] = PHRASE_PRIOR):
-        self.counts = np.zeros((max(k, 1), phrase_len, 2))
+    def __init__(self, phrase_len: int, prior: tuple[float, float] = PHRASE_PRIOR):
+        self.counts = np.zeros((len(SOURCES), phrase_len, 2))
         self.prior = prior
 
-    def rate(self, rank: int, pos: int) -> float:
-        tried, accepted = self.counts[min(rank, self.counts.shape[0] - 1), pos]
+    def rate(self, source: int, pos: int) -> float:
+        tried, accepted = self.counts[source, pos]
         p, weight = self.prior
         return float((accepted + p * weight) / (tried + weight))
 
-    def observe(self, rank: int, pos: int, accepted: bool) -> None:
-        cell = self.counts[min(rank, self.counts.shape[0] - 1), pos]
+    def observe(self, source: int, pos: int, accepted: bool) -> None:
+        cell = self.counts[source, pos]
         cell[0] += 1
         cell[1] += accepted
+
+    def summary(self) -> dict:
+        """Per source: phrase tokens tried and accepted so far."""
+        return {name: {"tried": int(self.counts[i, :, 0].sum()), "accepted": int(self.counts[i, :, 1].sum())}
+                for i, name in enumerate(SOURCES)}
 
 
 class _Trie:
@@ -77,7 +85,7 @@ class _Trie:
         self.tokens, self.parents, self.kind = [root], [-1], [0]  # kind: 0 root/chain, 1 phrase, 2 window
         self.child: dict[tuple[int, int], int] = {}
         self.tried: dict[int, list[list[int]]] = {}  # chain node -> the phrases appended under it
-        self.rank: list[tuple[int, int]] = [(-1, -1)]  # phrase nodes: (phrase rank, position in the phrase)
+        self.rank: list[tuple[int, int]] = [(-1, -1)]  # phrase nodes: (phrase source, position in the phrase)
 
     def add(self, parent: int, token: int, kind: int, rank=(-1, -1), merge: bool = True) -> int:
         if merge and (parent, token) in self.child:
@@ -141,7 +149,7 @@ class OuroborosDrafter(Drafter):
 
     def __init__(self, base: DraftModelDrafter, sampling: SamplingConfig, pool: PhrasePool, gamma: int = 3, k: int = 3,
                  window: int = 4, level: int = 3, n_verify: int = 4, lookahead: bool = True, lengthen: bool = True,
-                 verification: bool = True, history: bool = True, attach: str = "last", calibration=None,
+                 verification: bool = True, history: bool = True, context: bool = False, attach: str = "last", calibration=None,
                  rates: PhraseRates | None = None, pool_file: str | None = None, seed: int = 0):
         if base.needs_hidden:
             raise ValueError("ouroboros drafts with a plain draft model; a feature-conditioned draft (EAGLE) "
@@ -161,6 +169,7 @@ class OuroborosDrafter(Drafter):
         self.base, self.sampling, self.pool = base, sampling, pool
         self.gamma, self.k, self.window, self.level, self.n_verify = gamma, k, window, level, n_verify
         self.lookahead, self.lengthen, self.verification, self.history = lookahead, lengthen, verification, history
+        self.context = context
         self.attach, self.calibration, self.seed = attach, calibration, seed
         self.phrase_len = pool.phrase_len
         draft_tree = 1 + (n_verify * self.phrase_len + window_size(window, level) if lookahead else 0)
@@ -170,7 +179,7 @@ class OuroborosDrafter(Drafter):
         self._tops: list[list[float]] = []
         self._tries: list[_Trie | None] = []
         self._verdict = None
-        self.rates = rates or PhraseRates(k, self.phrase_len)
+        self.rates = rates or PhraseRates(self.phrase_len)
         self.pool_file = pool_file
         self._stats = self._fresh_stats()
 
@@ -178,7 +187,7 @@ class OuroborosDrafter(Drafter):
     def _fresh_stats() -> dict:
         return {"steps": 0, "rows": 0, "draft_forwards": 0, "chain_tokens": 0, "walk_tokens": 0,
                 "full_accepts": 0, "lookups": 0, "lookup_hits": 0, "phrase_nodes": 0, "phrase_tokens_accepted": 0,
-                "from_window": 0, "from_verification": 0, "corrections": 0}
+                "from_window": 0, "from_verification": 0, "corrections": 0, "from_context": 0}
 
     # ---- Drafter interface ----------------------------------------------------------------------
 
@@ -194,6 +203,9 @@ class OuroborosDrafter(Drafter):
         self._stats = self._fresh_stats()
         rows = state.seq.tolist()
         b = len(rows)
+        if self.context:
+            for r in range(b):
+                self._feed_context(rows[r], 0, state.seq_lens_host[r])
         self._windows = [None] * b
         if self.lookahead:
             rng = np.random.default_rng(self.seed)
@@ -218,8 +230,9 @@ class OuroborosDrafter(Drafter):
         """Counter groups (summed over prompts by the bench): ``ouroboros`` (steps, rows, draft forwards, chain
         tokens drafted and those the walk added beyond one per forward, rows whose whole chain was accepted,
         pool lookups for lengthening and those that found a phrase, phrase nodes verified and accepted, pool
-        inserts from the window, from verification and corrections) and ``pool`` (its size and counters)."""
-        return {"ouroboros": dict(self._stats), "pool": self.pool.stats()}
+        inserts from the window, from verification, corrections and from the context), ``pool`` (its size and
+        counters) and ``phrase_rates`` (appended phrase tokens tried and accepted per source, so far)."""
+        return {"ouroboros": dict(self._stats), "pool": self.pool.stats(), "phrase_rates": self.rates.summary()}
 
     # ---- drafting -----------------------------------------------------------------------------------
 
@@ -274,10 +287,10 @@ class OuroborosDrafter(Drafter):
             anchor = len(trie) - 1
             window_at.append(-1)
             if active[r] and self.lookahead:
-                for rank, phrase in enumerate(self.pool.lookup(prefix[-1], self.n_verify)):
+                for phrase, source in self.pool.lookup_tagged(prefix[-1], self.n_verify):
                     node = anchor
                     for pos, t in enumerate(phrase):
-                        node = trie.add(node, t, 1, (rank, pos))
+                        node = trie.add(node, t, 1, (source, pos))
                 w = self._windows[r]
                 toks, pars = w.layout(len(trie), anchor)
                 for t, p in zip(toks, pars):
@@ -331,7 +344,7 @@ class OuroborosDrafter(Drafter):
             new = self.base.vocab_map[new]
         for r, n in zip(rows, new.tolist()):
             for key, phrase in self._windows[r].update(keys[r], n):
-                self.pool.insert(key, phrase)
+                self.pool.insert(key, phrase, WINDOW)
                 self._stats["from_window"] += 1
 
     def _target_tree(self, roots, chains, probs, tops, max_depth, dev) -> DraftTree:
@@ -346,19 +359,19 @@ class OuroborosDrafter(Drafter):
                 node = trie.add(node, t, 0)
                 chain_nodes.append(node)
             if self.lengthen and self.k > 0 and chains[r]:
-                points = range(1, len(chains[r]) + 1) if self.attach == "all" else [len(chains[r])]
+                points = range(len(chains[r]) + 1) if self.attach == "all" else [len(chains[r])]
                 for i in points:
-                    key = chains[r][i - 1]
-                    phrases = self.pool.lookup(key, self.k)
-                    trie.tried[chain_nodes[i]] = [p[:max_depth[r] - i] for p in phrases]
-                    self._stats["lookups"] += 1
-                    self._stats["lookup_hits"] += bool(phrases)
+                    key = chains[r][i - 1] if i > 0 else roots[r]
+                    tagged = self.pool.lookup_tagged(key, self.k)
                     room = max_depth[r] - i
-                    for rank, phrase in enumerate(phrases):
+                    trie.tried[chain_nodes[i]] = [p[:room] for p, _ in tagged]
+                    self._stats["lookups"] += 1
+                    self._stats["lookup_hits"] += bool(tagged)
+                    for phrase, source in tagged:
                         node = chain_nodes[i]
                         for pos, t in enumerate(phrase[:room]):
                             before = len(trie)
-                            node = trie.add(node, t, 1, (rank, pos))
+                            node = trie.add(node, t, 1, (source, pos))
                             self._stats["phrase_nodes"] += len(trie) > before
             tries.append(trie)
         self._tries = tries
@@ -419,9 +432,25 @@ class OuroborosDrafter(Drafter):
 
     # ---- learning -----------------------------------------------------------------------------------
 
+    def _feed_context(self, text: list[int], start: int, end: int) -> None:
+        """Insert the phrases of ``text[:end]`` that end at or after position ``start``: each token keys the
+        ``P`` tokens after it."""
+        p = self.phrase_len
+        for i in range(max(0, start - p), end - p):
+            self.pool.insert(text[i], text[i + 1: i + 1 + p], CONTEXT)
+            self._stats["from_context"] += 1
+
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
                drafted: list[int]) -> None:
         self.base.update(state, tree, path, path_len, drafted)
+        if self.context:
+            ends = state.seq_lens_host
+            rows = [r for r, n in enumerate(path_len) if n > 0]
+            if rows:
+                lo = max(0, min(ends[r] - path_len[r] for r in rows) - self.phrase_len)
+                text = state.seq[:, lo: max(ends[r] for r in rows)].tolist()
+                for r in rows:
+                    self._feed_context(text[r], ends[r] - path_len[r] - lo, ends[r] - lo)
         if self._verdict is None or not any(t is not None for t in self._tries):
             return
         verified, verdict = self._verdict
@@ -473,7 +502,7 @@ class OuroborosDrafter(Drafter):
                 j += 1
                 phrase.append(target[nodes[j]])
             if len(phrase) >= 2:
-                self.pool.insert(chain[i - 1], phrase)
+                self.pool.insert(chain[i - 1], phrase, VERIFICATION)
                 self._stats["from_verification"] += 1
         # Each phrase tried under a reached chain node is replaced by the target's own continuation there.
         for node, tried in trie.tried.items():
@@ -490,5 +519,5 @@ class OuroborosDrafter(Drafter):
                         break
                     cont.append(target[n])
                 if len(cont) >= 2 and cont != phrase:
-                    self.pool.replace(toks[at], phrase, cont)
+                    self.pool.replace(toks[at], phrase, cont, CORRECTION)
                     self._stats["corrections"] += 1

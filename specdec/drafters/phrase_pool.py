@@ -8,6 +8,8 @@ a host-side torch op costs several times more per call).
 Eviction is FIFO with refresh on hit, per key: inserting a phrase already there (or one that is a
 prefix of a stored phrase) only refreshes it; a phrase that extends a stored one replaces it; a new phrase
 takes a free slot or the least recently touched one. :meth:`lookup` returns the newest phrases first.
+Each phrase carries a small source tag (``sources [V, G] int8``, e.g. the lookahead window or the target's
+verification), which a drafter can learn acceptance by; a refresh keeps the higher of the two tags.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT = 1
+FORMAT = 2
 
 
 class PhrasePool:
@@ -34,6 +36,7 @@ class PhrasePool:
         self.phrases = np.full((vocab_size, capacity, phrase_len), -1, dtype=np.int32)
         self.lens = np.zeros((vocab_size, capacity), dtype=np.int16)
         self.stamps = np.zeros((vocab_size, capacity), dtype=np.int64)
+        self.sources = np.zeros((vocab_size, capacity), dtype=np.int8)
         self.counts = np.zeros(vocab_size, dtype=np.int16)
         self.clock = 0
         self.inserts = self.refreshes = self.lookups = self.hits = 0
@@ -46,6 +49,7 @@ class PhrasePool:
         self.phrases.fill(-1)
         self.lens.fill(0)
         self.stamps.fill(0)
+        self.sources.fill(0)
         self.counts.fill(0)
         self.clock = 0
         self.inserts = self.refreshes = self.lookups = self.hits = 0
@@ -54,8 +58,9 @@ class PhrasePool:
         if not 0 <= key < self.vocab_size:
             raise ValueError(f"key token {key} is outside the pool's vocabulary of {self.vocab_size}")
 
-    def insert(self, key: int, phrase) -> None:
-        """Add ``phrase`` (token ids, cut to ``P``) after ``key``; see the module docstring for dedup and eviction."""
+    def insert(self, key: int, phrase, source: int = 0) -> None:
+        """Add ``phrase`` (token ids, cut to ``P``) after ``key`` with tag ``source`` (0-127); see the module
+        docstring for dedup and eviction."""
         self._check_key(key)
         p = np.asarray(phrase, dtype=np.int32)[: self.phrase_len]
         n = len(p)
@@ -75,13 +80,14 @@ class PhrasePool:
                 if lens[s] >= n:  # already stored (whole or as a prefix): refresh
                     self.stamps[key, s] = self.clock
                 else:  # this phrase extends the stored one
-                    self._write(key, s, p)
+                    self._write(key, s, p, self.sources[key, s])
+                self.sources[key, s] = max(int(self.sources[key, s]), source)
                 self.refreshes += 1
                 return
         slot = c if c < self.capacity else int(self.stamps[key].argmin())
         if c < self.capacity:
             self.counts[key] = c + 1
-        self._write(key, slot, p)
+        self._write(key, slot, p, source)
         self.inserts += 1
 
     def remove(self, key: int, phrase) -> bool:
@@ -97,25 +103,30 @@ class PhrasePool:
         if not len(found):
             return False
         s, last = int(found[0]), c - 1
-        self.phrases[key, s], self.lens[key, s], self.stamps[key, s] = (self.phrases[key, last], self.lens[key, last],
-                                                                       self.stamps[key, last])
-        self.phrases[key, last], self.lens[key, last], self.stamps[key, last] = -1, 0, 0
+        for a in (self.phrases, self.lens, self.stamps, self.sources):
+            a[key, s] = a[key, last]
+        self.phrases[key, last], self.lens[key, last], self.stamps[key, last], self.sources[key, last] = -1, 0, 0, 0
         self.counts[key] = last
         return True
 
-    def replace(self, key: int, old, new) -> None:
+    def replace(self, key: int, old, new, source: int = 0) -> None:
         """Put ``new`` in place of ``old`` after ``key`` (a plain insert when ``old`` is not stored)."""
         self.remove(key, old)
-        self.insert(key, new)
+        self.insert(key, new, source)
 
-    def _write(self, key: int, slot: int, p: np.ndarray) -> None:
+    def _write(self, key: int, slot: int, p: np.ndarray, source: int) -> None:
         self.phrases[key, slot] = -1
         self.phrases[key, slot, : len(p)] = p
         self.lens[key, slot] = len(p)
         self.stamps[key, slot] = self.clock
+        self.sources[key, slot] = source
 
     def lookup(self, key: int, k: int | None = None) -> list[list[int]]:
         """Up to ``k`` (default all) phrases after ``key``, newest first."""
+        return [p for p, _ in self.lookup_tagged(key, k)]
+
+    def lookup_tagged(self, key: int, k: int | None = None) -> list[tuple[list[int], int]]:
+        """Up to ``k`` (default all) ``(phrase, source)`` pairs after ``key``, newest first."""
         self._check_key(key)
         self.lookups += 1
         c = int(self.counts[key])
@@ -123,7 +134,7 @@ class PhrasePool:
             return []
         self.hits += 1
         order = np.argsort(-self.stamps[key, :c], kind="stable")[: k if k is not None else c]
-        return [self.phrases[key, s, : self.lens[key, s]].tolist() for s in order]
+        return [(self.phrases[key, s, : self.lens[key, s]].tolist(), int(self.sources[key, s])) for s in order]
 
     def stats(self) -> dict:
         """Counters since the pool was made or cleared (JSON-serialisable)."""
@@ -142,7 +153,7 @@ class PhrasePool:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, format=np.int32(FORMAT), shape=np.array([self.vocab_size, self.capacity, self.phrase_len]),
                          keys=keys, phrases=self.phrases[keys], lens=self.lens[keys], stamps=self.stamps[keys],
-                         counts=self.counts[keys], clock=np.int64(self.clock))
+                         sources=self.sources[keys], counts=self.counts[keys], clock=np.int64(self.clock))
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -160,7 +171,7 @@ class PhrasePool:
             raise
         except Exception as e:  # zip / npy format errors come in several types
             raise ValueError(f"{path}: not a readable phrase pool file ({type(e).__name__}: {e})") from None
-        need = {"format", "shape", "keys", "phrases", "lens", "stamps", "counts", "clock"}
+        need = {"format", "shape", "keys", "phrases", "lens", "stamps", "sources", "counts", "clock"}
         if set(data) != need or int(data["format"]) != FORMAT:
             raise ValueError(f"{path}: not a phrase pool file of format {FORMAT} (fields {sorted(data)})")
         v, g, p = (int(x) for x in data["shape"])
@@ -169,7 +180,7 @@ class PhrasePool:
                 raise ValueError(f"{path}: the pool's {name} is {got}, this configuration needs {want}")
         keys = data["keys"]
         n = len(keys)
-        shapes = {"phrases": (n, g, p), "lens": (n, g), "stamps": (n, g), "counts": (n,)}
+        shapes = {"phrases": (n, g, p), "lens": (n, g), "stamps": (n, g), "sources": (n, g), "counts": (n,)}
         if any(data[k].shape != s for k, s in shapes.items()) or (n and (keys.min() < 0 or keys.max() >= v)):
             raise ValueError(f"{path}: corrupt phrase pool (array shapes or keys do not fit {v}x{g}x{p})")
         counts, lens, phrases = data["counts"], data["lens"], data["phrases"]
@@ -178,5 +189,6 @@ class PhrasePool:
             raise ValueError(f"{path}: corrupt phrase pool (counts, lengths or token ids out of range)")
         pool = cls(v, g, p)
         pool.phrases[keys], pool.lens[keys], pool.stamps[keys], pool.counts[keys] = phrases, lens, data["stamps"], counts
+        pool.sources[keys] = data["sources"]
         pool.clock = int(data["clock"])
         return pool
