@@ -23,7 +23,7 @@ from specdec.draft_models import is_feature_draft
 from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDrafter
 from specdec.drafters.feature_draft import FeatureDraftDrafter
 from specdec.drafters.graph_draft import SIBLINGS, GraphDrafter
-from specdec.drafters.ouroboros import ATTACH, OuroborosDrafter, PhraseRates
+from specdec.drafters.ouroboros import ATTACH, ORDERS, OuroborosDrafter, PhraseRates
 from specdec.drafters.phrase_pool import PhrasePool
 from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES
 from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance,
@@ -140,6 +140,8 @@ class OuroborosOptions:
                              "(not in the paper)", (0, 1))
     attach: str = option("last", "where phrases hang: after the last chain token (the paper), or after the root and "
                                  "every chain token", ATTACH)
+    order: str = option("recent", "which pool phrases come first: the newest (the paper) or the most often seen "
+                                  "(newest among equals)", ORDERS)
     schedule: str | None = option(None, "cost: the planner keeps the nodes worth their measured verification cost "
                                         "(calibrated draft probabilities, measured phrase acceptance); static: the "
                                         "whole draft (default: cost when greedy, static when sampling)",
@@ -330,7 +332,8 @@ def _build_ouroboros(dec, o: OuroborosOptions, sampling: SamplingConfig):
     drafter = OuroborosDrafter(DraftModelDrafter(runner, sampling, o.proposal_topk), sampling, pool, gamma=o.gamma,
                                k=o.k, window=o.w, level=o.n, n_verify=o.n_verify, lookahead=bool(o.lookahead),
                                lengthen=bool(o.lengthen), verification=bool(o.verification),
-                               history=bool(o.history), context=bool(o.context), attach=o.attach, calibration=calibration,
+                               history=bool(o.history), context=bool(o.context), attach=o.attach, order=o.order,
+                               calibration=calibration,
                                rates=dec.acceptance(key + ("rates",), lambda: PhraseRates(o.phrase_len)),
                                pool_file=o.pool_file)
     depth = o.gamma + (o.phrase_len if o.lengthen and o.k else 0)

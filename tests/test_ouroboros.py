@@ -60,6 +60,20 @@ def test_pool_remove_and_replace():
     assert pool.lookup(9)[0] == [3, 5, 6]
 
 
+def test_pool_source_tags_keep_the_highest_and_survive_a_round_trip(tmp_path):
+    pool = PhrasePool(50, capacity=3, phrase_len=3)
+    pool.insert(1, [2, 3], source=0)
+    pool.insert(1, [2, 3], source=2)  # a refresh raises the tag
+    pool.insert(1, [2], source=1)  # a prefix refresh never lowers it
+    pool.insert(1, [4, 5], source=3)
+    assert pool.lookup_tagged(1) == [([4, 5], 3, 1), ([2, 3], 2, 3)]  # (phrase, source, times inserted)
+    assert pool.lookup(1, order="frequent") == [[2, 3], [4, 5]]
+    pool.save(tmp_path / "p.npz")
+    assert PhrasePool.load(tmp_path / "p.npz").lookup_tagged(1) == [([4, 5], 3, 1), ([2, 3], 2, 3)]
+    with pytest.raises(ValueError, match="order"):
+        pool.lookup(1, order="best")
+
+
 def test_pool_rejects_bad_keys_and_tokens():
     pool = PhrasePool(10, capacity=2, phrase_len=2)
     with pytest.raises(ValueError, match="outside the pool's vocabulary"):
@@ -177,8 +191,8 @@ def prompts_of(seed: int, lens=(5, 9, 14)) -> list[list[int]]:
     return [torch.randint(0, 90, (n,), generator=g).tolist() for n in lens]
 
 
-PARTS = [dict(lookahead=a, lengthen=b, verification=c, history=d) for a in (0, 1) for b in (0, 1) for c in (0, 1)
-         for d in (0, 1)]
+PARTS = [dict(lookahead=a, lengthen=b, verification=c, history=d, context=e) for a in (0, 1) for b in (0, 1)
+         for c in (0, 1) for d in (0, 1) for e in (0, 1)]
 
 
 @pytest.mark.parametrize("parts", PARTS, ids=lambda p: "".join(str(v) for v in p.values()))
@@ -199,6 +213,21 @@ def test_the_walk_and_the_phrases_happen_and_stay_exact(exact_dec):
     s = res.stats.drafter["ouroboros"]
     assert s["walk_tokens"] > 0 and s["phrase_tokens_accepted"] > 0 and s["from_window"] > 0, s
     assert res.stats.draft_calls < s["chain_tokens"]  # phrases saved draft forwards
+
+
+def test_committed_text_feeds_the_pool_and_its_phrases_are_accepted(dec):
+    """context=1: a prompt that repeats itself puts its phrases in the pool before the first step, and the
+    target accepts them (the draft is a poor one here, so the phrases do the work)."""
+    dec.reset_learned()
+    loop = [11, 12, 13, 14, 15, 16, 17, 18]
+    prompts = [loop * 4, [3] + loop * 3]
+    ref = dec.generate_ids(prompts, "ar", 24).tokens
+    res = dec.generate_ids(prompts, "ouroboros", 24, context=1, lookahead=0, attach="all", history=0)
+    assert res.tokens == ref
+    s = res.stats.drafter
+    assert s["ouroboros"]["from_context"] >= len(loop * 7) - 2 * 4
+    if ref[0][:8] == loop:  # the tiny target continues the loop: the context phrases must have been accepted
+        assert s["phrase_rates"]["context"]["accepted"] > 0, s
 
 
 def test_a_warm_pool_from_other_prompts_never_changes_an_output(dec):
@@ -249,6 +278,7 @@ def test_a_corrupt_pool_file_is_a_clear_error(dec, tmp_path):
     ({"n": 2}, "'n' must be >= 3"),
     ({"gamma": 0}, "'gamma' must be >= 1"),
     ({"attach": "middle"}, "'attach' must be one of"),
+    ({"order": "best"}, "'order' must be one of"),
 ])
 def test_bad_options_are_clear_errors(dec, opts, match):
     with pytest.raises(ValueError, match=match):

@@ -52,29 +52,32 @@ PHRASE_PRIOR = (0.3, 10.0)  # acceptance of a phrase token before any is observe
 # Where a pool phrase came from (the pool's source tag; a refresh keeps the highest): acceptance is learned per source.
 WINDOW, VERIFICATION, CORRECTION, CONTEXT = 0, 1, 2, 3
 SOURCES = ("window", "verification", "correction", "context")
+SEEN_BINS = 3  # acceptance is learned per source, per times the phrase was inserted (1, 2, 3 or more) and position
+ORDERS = ("recent", "frequent")
 
 
 class PhraseRates:
-    """How often the target accepts an appended phrase's token, per phrase source (:data:`SOURCES`) and position,
-    given it reached the token's parent: ``counts [S, P, 2]`` (tried, accepted), learned across generations."""
+    """How often the target accepts an appended phrase's token given it reached the token's parent, per phrase
+    source (:data:`SOURCES`), times the phrase was inserted (``1 .. SEEN_BINS``) and position:
+    ``counts [S, SEEN_BINS, P, 2]`` (tried, accepted), learned across generations."""
 
     def __init__(self, phrase_len: int, prior: tuple[float, float] = PHRASE_PRIOR):
-        self.counts = np.zeros((len(SOURCES), phrase_len, 2))
+        self.counts = np.zeros((len(SOURCES), SEEN_BINS, phrase_len, 2))
         self.prior = prior
 
-    def rate(self, source: int, pos: int) -> float:
-        tried, accepted = self.counts[source, pos]
+    def rate(self, source: int, seen: int, pos: int) -> float:
+        tried, accepted = self.counts[source, seen, pos]
         p, weight = self.prior
         return float((accepted + p * weight) / (tried + weight))
 
-    def observe(self, source: int, pos: int, accepted: bool) -> None:
-        cell = self.counts[source, pos]
+    def observe(self, source: int, seen: int, pos: int, accepted: bool) -> None:
+        cell = self.counts[source, seen, pos]
         cell[0] += 1
         cell[1] += accepted
 
     def summary(self) -> dict:
         """Per source: phrase tokens tried and accepted so far."""
-        return {name: {"tried": int(self.counts[i, :, 0].sum()), "accepted": int(self.counts[i, :, 1].sum())}
+        return {name: {"tried": int(self.counts[i, ..., 0].sum()), "accepted": int(self.counts[i, ..., 1].sum())}
                 for i, name in enumerate(SOURCES)}
 
 
@@ -85,9 +88,9 @@ class _Trie:
         self.tokens, self.parents, self.kind = [root], [-1], [0]  # kind: 0 root/chain, 1 phrase, 2 window
         self.child: dict[tuple[int, int], int] = {}
         self.tried: dict[int, list[list[int]]] = {}  # chain node -> the phrases appended under it
-        self.rank: list[tuple[int, int]] = [(-1, -1)]  # phrase nodes: (phrase source, position in the phrase)
+        self.rank: list[tuple] = [()]  # phrase nodes: (source, times inserted bin, position in the phrase)
 
-    def add(self, parent: int, token: int, kind: int, rank=(-1, -1), merge: bool = True) -> int:
+    def add(self, parent: int, token: int, kind: int, rank=(), merge: bool = True) -> int:
         if merge and (parent, token) in self.child:
             return self.child[(parent, token)]
         self.tokens.append(token)
@@ -139,7 +142,8 @@ class OuroborosDrafter(Drafter):
 
     gamma: chain tokens per step; k: phrases appended per attachment point; window, level: the lookahead
     window's ``W`` and ``N``; n_verify: pool phrases the draft checks per forward; lookahead, lengthen,
-    verification, history: the four parts (module docstring); attach: ``last`` (the paper) or ``all``;
+    verification, history: the four parts (module docstring); attach: ``last`` (the paper) or ``all``; order: which pool phrases a lookup returns first,
+    ``recent`` (the paper) or ``frequent``;
     calibration: maps the draft's probability of a chain token to an acceptance estimate (greedy; None: no
     estimates, no planning); rates: the phrase acceptance learned so far (:class:`PhraseRates`);
     pool_file: where :meth:`finish` saves the pool; seed: the window's first guesses.
@@ -149,7 +153,8 @@ class OuroborosDrafter(Drafter):
 
     def __init__(self, base: DraftModelDrafter, sampling: SamplingConfig, pool: PhrasePool, gamma: int = 3, k: int = 3,
                  window: int = 4, level: int = 3, n_verify: int = 4, lookahead: bool = True, lengthen: bool = True,
-                 verification: bool = True, history: bool = True, context: bool = False, attach: str = "last", calibration=None,
+                 verification: bool = True, history: bool = True, context: bool = False, attach: str = "last",
+                 order: str = "recent", calibration=None,
                  rates: PhraseRates | None = None, pool_file: str | None = None, seed: int = 0):
         if base.needs_hidden:
             raise ValueError("ouroboros drafts with a plain draft model; a feature-conditioned draft (EAGLE) "
@@ -162,6 +167,8 @@ class OuroborosDrafter(Drafter):
             raise ValueError(f"n_verify must be >= 0, got {n_verify}")
         if attach not in ATTACH:
             raise ValueError(f"attach must be one of {ATTACH}, got {attach!r}")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         check_window(window, level)
         if calibration is not None and not sampling.greedy:
             raise ValueError("ouroboros' cost planning reads each chain token's own draft probability, which "
@@ -170,10 +177,11 @@ class OuroborosDrafter(Drafter):
         self.gamma, self.k, self.window, self.level, self.n_verify = gamma, k, window, level, n_verify
         self.lookahead, self.lengthen, self.verification, self.history = lookahead, lengthen, verification, history
         self.context = context
-        self.attach, self.calibration, self.seed = attach, calibration, seed
+        self.attach, self.order, self.calibration, self.seed = attach, order, calibration, seed
         self.phrase_len = pool.phrase_len
         draft_tree = 1 + (n_verify * self.phrase_len + window_size(window, level) if lookahead else 0)
-        self.base.margin = draft_tree + gamma + 8
+        # The first forward of a step also feeds the tokens accepted last step (at most gamma + P + 1).
+        self.base.margin = draft_tree + gamma + self.phrase_len + 8
         self._windows: list[JacobiWindow | None] = []
         self._chains: list[list[int]] = []
         self._tops: list[list[float]] = []
@@ -192,7 +200,7 @@ class OuroborosDrafter(Drafter):
     # ---- Drafter interface ----------------------------------------------------------------------
 
     def max_tree_size(self, depth: int) -> int:
-        points = (self.gamma if self.attach == "all" else 1) if self.lengthen else 0
+        points = (self.gamma + 1 if self.attach == "all" else 1) if self.lengthen else 0
         return 1 + self.gamma + points * self.k * self.phrase_len
 
     def begin(self, state: DecodeState) -> None:
@@ -287,10 +295,10 @@ class OuroborosDrafter(Drafter):
             anchor = len(trie) - 1
             window_at.append(-1)
             if active[r] and self.lookahead:
-                for phrase, source in self.pool.lookup_tagged(prefix[-1], self.n_verify):
+                for phrase, source, seen in self.pool.lookup_tagged(prefix[-1], self.n_verify, self.order):
                     node = anchor
                     for pos, t in enumerate(phrase):
-                        node = trie.add(node, t, 1, (source, pos))
+                        node = trie.add(node, t, 1, (source, min(seen, SEEN_BINS) - 1, pos))
                 w = self._windows[r]
                 toks, pars = w.layout(len(trie), anchor)
                 for t, p in zip(toks, pars):
@@ -362,16 +370,16 @@ class OuroborosDrafter(Drafter):
                 points = range(len(chains[r]) + 1) if self.attach == "all" else [len(chains[r])]
                 for i in points:
                     key = chains[r][i - 1] if i > 0 else roots[r]
-                    tagged = self.pool.lookup_tagged(key, self.k)
+                    tagged = self.pool.lookup_tagged(key, self.k, self.order)
                     room = max_depth[r] - i
-                    trie.tried[chain_nodes[i]] = [p[:room] for p, _ in tagged]
+                    trie.tried[chain_nodes[i]] = [p[:room] for p, _, _ in tagged]
                     self._stats["lookups"] += 1
                     self._stats["lookup_hits"] += bool(tagged)
-                    for phrase, source in tagged:
+                    for phrase, source, seen in tagged:
                         node = chain_nodes[i]
                         for pos, t in enumerate(phrase[:room]):
                             before = len(trie)
-                            node = trie.add(node, t, 1, (source, pos))
+                            node = trie.add(node, t, 1, (source, min(seen, SEEN_BINS) - 1, pos))
                             self._stats["phrase_nodes"] += len(trie) > before
             tries.append(trie)
         self._tries = tries
@@ -459,7 +467,7 @@ class OuroborosDrafter(Drafter):
         host = torch.cat([verified.tokens, verified.parents, out, verified.valid.long(), path], dim=1).tolist()
         t = verified.size
         for r, n in enumerate(path_len):
-            if n == 0 or self._tries[r] is None:
+            if n == 0 or self._tries[r] is None or not self._chains[r]:
                 continue
             row = host[r]
             valid = row[3 * t: 4 * t]

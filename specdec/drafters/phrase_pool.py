@@ -8,7 +8,8 @@ a host-side torch op costs several times more per call).
 Eviction is FIFO with refresh on hit, per key: inserting a phrase already there (or one that is a
 prefix of a stored phrase) only refreshes it; a phrase that extends a stored one replaces it; a new phrase
 takes a free slot or the least recently touched one. :meth:`lookup` returns the newest phrases first.
-Each phrase carries a small source tag (``sources [V, G] int8``, e.g. the lookahead window or the target's
+Each phrase counts its inserts (``seen [V, G] uint8``, saturating), so a lookup may rank by how often a
+phrase occurred before how recently (``order="frequent"``). Each phrase carries a small source tag (``sources [V, G] int8``, e.g. the lookahead window or the target's
 verification), which a drafter can learn acceptance by; a refresh keeps the higher of the two tags.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ class PhrasePool:
         self.lens = np.zeros((vocab_size, capacity), dtype=np.int16)
         self.stamps = np.zeros((vocab_size, capacity), dtype=np.int64)
         self.sources = np.zeros((vocab_size, capacity), dtype=np.int8)
+        self.seen = np.zeros((vocab_size, capacity), dtype=np.uint8)
         self.counts = np.zeros(vocab_size, dtype=np.int16)
         self.clock = 0
         self.inserts = self.refreshes = self.lookups = self.hits = 0
@@ -50,6 +52,7 @@ class PhrasePool:
         self.lens.fill(0)
         self.stamps.fill(0)
         self.sources.fill(0)
+        self.seen.fill(0)
         self.counts.fill(0)
         self.clock = 0
         self.inserts = self.refreshes = self.lookups = self.hits = 0
@@ -80,8 +83,9 @@ class PhrasePool:
                 if lens[s] >= n:  # already stored (whole or as a prefix): refresh
                     self.stamps[key, s] = self.clock
                 else:  # this phrase extends the stored one
-                    self._write(key, s, p, self.sources[key, s])
+                    self._write(key, s, p, self.sources[key, s], self.seen[key, s])
                 self.sources[key, s] = max(int(self.sources[key, s]), source)
+                self.seen[key, s] = min(255, int(self.seen[key, s]) + 1)
                 self.refreshes += 1
                 return
         slot = c if c < self.capacity else int(self.stamps[key].argmin())
@@ -103,9 +107,11 @@ class PhrasePool:
         if not len(found):
             return False
         s, last = int(found[0]), c - 1
-        for a in (self.phrases, self.lens, self.stamps, self.sources):
+        for a in (self.phrases, self.lens, self.stamps, self.sources, self.seen):
             a[key, s] = a[key, last]
-        self.phrases[key, last], self.lens[key, last], self.stamps[key, last], self.sources[key, last] = -1, 0, 0, 0
+        self.phrases[key, last] = -1
+        for a in (self.lens, self.stamps, self.sources, self.seen):
+            a[key, last] = 0
         self.counts[key] = last
         return True
 
@@ -114,27 +120,35 @@ class PhrasePool:
         self.remove(key, old)
         self.insert(key, new, source)
 
-    def _write(self, key: int, slot: int, p: np.ndarray, source: int) -> None:
+    def _write(self, key: int, slot: int, p: np.ndarray, source: int, seen: int = 0) -> None:
         self.phrases[key, slot] = -1
         self.phrases[key, slot, : len(p)] = p
         self.lens[key, slot] = len(p)
         self.stamps[key, slot] = self.clock
         self.sources[key, slot] = source
+        self.seen[key, slot] = seen + 1
 
-    def lookup(self, key: int, k: int | None = None) -> list[list[int]]:
-        """Up to ``k`` (default all) phrases after ``key``, newest first."""
-        return [p for p, _ in self.lookup_tagged(key, k)]
+    def lookup(self, key: int, k: int | None = None, order: str = "recent") -> list[list[int]]:
+        """Up to ``k`` (default all) phrases after ``key``: newest first (``order="recent"``), or the most often
+        inserted first, newest first among equals (``"frequent"``)."""
+        return [p for p, _, _ in self.lookup_tagged(key, k, order)]
 
-    def lookup_tagged(self, key: int, k: int | None = None) -> list[tuple[list[int], int]]:
-        """Up to ``k`` (default all) ``(phrase, source)`` pairs after ``key``, newest first."""
+    def lookup_tagged(self, key: int, k: int | None = None, order: str = "recent") -> list[tuple[list[int], int, int]]:
+        """Up to ``k`` ``(phrase, source, times inserted)`` triples after ``key``, in ``order`` (see :meth:`lookup`)."""
         self._check_key(key)
         self.lookups += 1
         c = int(self.counts[key])
         if c == 0 or k == 0:
             return []
         self.hits += 1
-        order = np.argsort(-self.stamps[key, :c], kind="stable")[: k if k is not None else c]
-        return [(self.phrases[key, s, : self.lens[key, s]].tolist(), int(self.sources[key, s])) for s in order]
+        if order == "recent":
+            rank = np.argsort(-self.stamps[key, :c], kind="stable")
+        elif order == "frequent":
+            rank = np.lexsort((-self.stamps[key, :c], -self.seen[key, :c].astype(np.int64)))
+        else:
+            raise ValueError(f"order must be 'recent' or 'frequent', got {order!r}")
+        return [(self.phrases[key, s, : self.lens[key, s]].tolist(), int(self.sources[key, s]), int(self.seen[key, s]))
+                for s in rank[: k if k is not None else c]]
 
     def stats(self) -> dict:
         """Counters since the pool was made or cleared (JSON-serialisable)."""
@@ -153,7 +167,7 @@ class PhrasePool:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, format=np.int32(FORMAT), shape=np.array([self.vocab_size, self.capacity, self.phrase_len]),
                          keys=keys, phrases=self.phrases[keys], lens=self.lens[keys], stamps=self.stamps[keys],
-                         sources=self.sources[keys], counts=self.counts[keys], clock=np.int64(self.clock))
+                         sources=self.sources[keys], seen=self.seen[keys], counts=self.counts[keys], clock=np.int64(self.clock))
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -171,7 +185,7 @@ class PhrasePool:
             raise
         except Exception as e:  # zip / npy format errors come in several types
             raise ValueError(f"{path}: not a readable phrase pool file ({type(e).__name__}: {e})") from None
-        need = {"format", "shape", "keys", "phrases", "lens", "stamps", "sources", "counts", "clock"}
+        need = {"format", "shape", "keys", "phrases", "lens", "stamps", "sources", "seen", "counts", "clock"}
         if set(data) != need or int(data["format"]) != FORMAT:
             raise ValueError(f"{path}: not a phrase pool file of format {FORMAT} (fields {sorted(data)})")
         v, g, p = (int(x) for x in data["shape"])
@@ -180,7 +194,7 @@ class PhrasePool:
                 raise ValueError(f"{path}: the pool's {name} is {got}, this configuration needs {want}")
         keys = data["keys"]
         n = len(keys)
-        shapes = {"phrases": (n, g, p), "lens": (n, g), "stamps": (n, g), "sources": (n, g), "counts": (n,)}
+        shapes = {"phrases": (n, g, p), "lens": (n, g), "stamps": (n, g), "sources": (n, g), "seen": (n, g), "counts": (n,)}
         if any(data[k].shape != s for k, s in shapes.items()) or (n and (keys.min() < 0 or keys.max() >= v)):
             raise ValueError(f"{path}: corrupt phrase pool (array shapes or keys do not fit {v}x{g}x{p})")
         counts, lens, phrases = data["counts"], data["lens"], data["phrases"]
@@ -189,6 +203,6 @@ class PhrasePool:
             raise ValueError(f"{path}: corrupt phrase pool (counts, lengths or token ids out of range)")
         pool = cls(v, g, p)
         pool.phrases[keys], pool.lens[keys], pool.stamps[keys], pool.counts[keys] = phrases, lens, data["stamps"], counts
-        pool.sources[keys] = data["sources"]
+        pool.sources[keys], pool.seen[keys] = data["sources"], data["seen"]
         pool.clock = int(data["clock"])
         return pool
