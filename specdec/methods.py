@@ -122,23 +122,23 @@ class GSDOptions:
 
 @dataclass(frozen=True)
 class OuroborosOptions:
-    gamma: int = option(3, "chain tokens the draft model drafts per step")
-    k: int = option(3, "pool phrases appended per attachment point (0: none)", low=0)
+    gamma: int = option(1, "chain tokens the draft model drafts per step")
+    k: int = option(2, "pool phrases appended per attachment point (0: none)", low=0)
     phrase_len: int = option(4, "tokens per phrase (after its key token)")
     w: int = option(4, "lookahead window width W (the draft runs (W - 1) + (N - 2) W window nodes per forward)",
                     low=2)
     n: int = option(3, "lookahead level N: the window's n-grams have N tokens", low=3)
     capacity: int = option(8, "phrases the pool keeps per key token (FIFO, refreshed on hit)")
     n_verify: int = option(4, "pool phrases the draft checks after its last token in each forward", low=0)
-    lookahead: int = option(1, "draft phrase by phrase: lookahead window and pool phrases in the draft's forwards "
+    lookahead: int = option(0, "draft phrase by phrase: lookahead window and pool phrases in the draft's forwards "
                                "(0: one chain token per draft forward, as sd)", (0, 1))
     lengthen: int = option(1, "append pool phrases to the draft for the target to verify", (0, 1))
     verification: int = option(1, "feed the pool from verification: confirmed runs after rejected draft tokens, and "
                                   "the target's corrections of the phrases it tried", (0, 1))
     history: int = option(1, "keep the pool across generations (0: every generation starts cold)", (0, 1))
-    context: int = option(0, "also feed the pool every committed token's next phrase_len tokens, prompt and output "
+    context: int = option(1, "also feed the pool every committed token's next phrase_len tokens, prompt and output "
                              "(not in the paper)", (0, 1))
-    attach: str = option("last", "where phrases hang: after the last chain token (the paper), or after the root and "
+    attach: str = option("all", "where phrases hang: after the last chain token (the paper), or after the root and "
                                  "every chain token", ATTACH)
     order: str = option("recent", "which pool phrases come first: the newest (the paper) or the most often seen "
                                   "(newest among equals)", ORDERS)

@@ -440,8 +440,9 @@ E2E_CASES += [("sd:schedule=disco:disco_mode=cost", "temp0.8", False), ("sd:conf
 # GSD's two sibling variants; tau=0 merges often on this prompt, so copies (verified one-hot) are tried too.
 E2E_CASES += [("gsd:siblings=sample", "temp0.8", False), ("gsd:siblings=sample:tau=0", "topk6-topp0.85", False),
               ("gsd:tau=0", "temp0.8", True)]
-# Ouroboros: every part on, phrases after every chain token; and with EOS.
-E2E_CASES += [("ouroboros:attach=all", "topk6-topp0.85", False), ("ouroboros", "temp0.8", True)]
+# Ouroboros: every part on (the draft's walk into pool phrases included), phrases after the last chain token
+# only or after every one; and with EOS.
+E2E_CASES += [("ouroboros:lookahead=1:attach=last", "topk6-topp0.85", False), ("ouroboros:lookahead=1", "temp0.8", True)]
 
 
 @pytest.mark.parametrize("method,config,eos", E2E_CASES)
@@ -482,10 +483,9 @@ def test_ouroboros_walk_happens_and_a_planted_walk_bug_is_detected(e2e_decoder, 
     from specdec.drafters import ouroboros
 
     e2e_decoder.reset_learned()
-    res = e2e_decoder.generate_ids([E2E_PROMPT] * 200, "ouroboros", E2E_NEW, SamplingConfig(temperature=0.8, seed=3),
-                                   gamma=3)
-    res = e2e_decoder.generate_ids([E2E_PROMPT] * 200, "ouroboros", E2E_NEW, SamplingConfig(temperature=0.8, seed=4),
-                                   gamma=3)
+    for seed in (3, 4):
+        res = e2e_decoder.generate_ids([E2E_PROMPT] * 200, "ouroboros", E2E_NEW,
+                                       SamplingConfig(temperature=0.8, seed=seed), gamma=3, lookahead=1)
     assert res.stats.drafter["ouroboros"]["walk_tokens"] > 50, res.stats.drafter
 
     def forced_walk(trie, picks, room, start=0):
@@ -501,7 +501,7 @@ def test_ouroboros_walk_happens_and_a_planted_walk_bug_is_detected(e2e_decoder, 
 
     monkeypatch.setattr(ouroboros, "walk", forced_walk)
     e2e_decoder.reset_learned()
-    pvals, *_ = e2e_pvalues(e2e_decoder, "ouroboros", "temp0.8", False)
+    pvals, *_ = e2e_pvalues(e2e_decoder, "ouroboros:lookahead=1", "temp0.8", False)
     assert min(pvals.values()) < POWER, pvals
 
 
