@@ -77,7 +77,12 @@ class PhraseRates:
 
     def summary(self) -> dict:
         """Per source: phrase tokens tried and accepted so far."""
-        return {name: {"tried": int(self.counts[i, ..., 0].sum()), "accepted": int(self.counts[i, ..., 1].sum())}
+        return self.summarize(self.counts)
+
+    @staticmethod
+    def summarize(counts: np.ndarray) -> dict:
+        """Per source: the tried and accepted phrase tokens of ``counts [S, SEEN_BINS, P, 2]``."""
+        return {name: {"tried": int(counts[i, ..., 0].sum()), "accepted": int(counts[i, ..., 1].sum())}
                 for i, name in enumerate(SOURCES)}
 
 
@@ -188,6 +193,7 @@ class OuroborosDrafter(Drafter):
         self._tries: list[_Trie | None] = []
         self._verdict = None
         self.rates = rates or PhraseRates(self.phrase_len)
+        self._start = (self.pool.stats(), self.rates.counts.copy())
         self.pool_file = pool_file
         self._stats = self._fresh_stats()
 
@@ -209,6 +215,7 @@ class OuroborosDrafter(Drafter):
         if not self.history:
             self.pool.clear()
         self._stats = self._fresh_stats()
+        self._start = (self.pool.stats(), self.rates.counts.copy())  # summary() reports this generation's share
         rows = state.seq.tolist()
         b = len(rows)
         if self.context:
@@ -238,9 +245,14 @@ class OuroborosDrafter(Drafter):
         """Counter groups (summed over prompts by the bench): ``ouroboros`` (steps, rows, draft forwards, chain
         tokens drafted and those the walk added beyond one per forward, rows whose whole chain was accepted,
         pool lookups for lengthening and those that found a phrase, phrase nodes verified and accepted, pool
-        inserts from the window, from verification, corrections and from the context), ``pool`` (its size and
-        counters) and ``phrase_rates`` (appended phrase tokens tried and accepted per source, so far)."""
-        return {"ouroboros": dict(self._stats), "pool": self.pool.stats(), "phrase_rates": self.rates.summary()}
+        inserts from the window, from verification, corrections and from the context), ``pool`` (its counters:
+        inserts, refreshes, lookups and hits of any kind, and phrases it gained) and ``phrase_rates`` (appended
+        phrase tokens tried and accepted per source), all for this generation."""
+        pool, counts = self._start
+        now = self.pool.stats()
+        gained = {k: now[k] - pool[k] for k in now}
+        return {"ouroboros": dict(self._stats), "pool": gained,
+                "phrase_rates": PhraseRates.summarize(self.rates.counts - counts)}
 
     # ---- drafting -----------------------------------------------------------------------------------
 
