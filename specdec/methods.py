@@ -23,7 +23,7 @@ from specdec.draft_models import is_feature_draft
 from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDrafter
 from specdec.drafters.feature_draft import FeatureDraftDrafter
 from specdec.drafters.graph_draft import SIBLINGS, GraphDrafter
-from specdec.drafters.ouroboros import ATTACH, ORDERS, OuroborosDrafter, PhraseRates
+from specdec.drafters.ouroboros import ATTACH, ORDERS, SOURCES, OuroborosDrafter, PhraseRates
 from specdec.drafters.phrase_pool import PhrasePool
 from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES
 from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance,
@@ -324,7 +324,7 @@ def _build_ouroboros(dec, o: OuroborosOptions, sampling: SamplingConfig):
 
     def make_pool():
         if o.pool_file is not None and os.path.exists(o.pool_file):
-            return PhrasePool.load(o.pool_file, vocab, o.capacity, o.phrase_len)
+            return PhrasePool.load(o.pool_file, vocab, o.capacity, o.phrase_len, max_source=len(SOURCES) - 1)
         return PhrasePool(vocab, o.capacity, o.phrase_len)
 
     pool = dec.acceptance(key + ("pool",), make_pool)

@@ -50,6 +50,16 @@ def test_pool_dedups_prefixes_and_extensions():
     assert pool.lookup(1) == [[2, 7], [2, 3, 4, 5]]
 
 
+def test_pool_insert_counts_saturate_and_extensions_count_once():
+    pool = PhrasePool(50, capacity=2, phrase_len=4)
+    pool.insert(1, [2, 3])
+    pool.insert(1, [2, 3, 4])  # an extension: one more sighting
+    assert pool.lookup_tagged(1) == [([2, 3, 4], 0, 2)]
+    for _ in range(300):
+        pool.insert(1, [2, 3, 4])
+    assert pool.lookup_tagged(1)[0][2] == 255
+
+
 def test_pool_remove_and_replace():
     pool = PhrasePool(50, capacity=3, phrase_len=3)
     for p in ([1, 2], [3, 4], [5, 6]):
@@ -128,11 +138,18 @@ def test_pool_load_rejects_corrupt_and_mismatched_files(tmp_path):
         PhrasePool.load(other)
     with np.load(good) as z:
         fields = {k: z[k] for k in z.files}
-    fields["phrases"] = fields["phrases"] + 1000  # token ids outside the vocabulary
     bad = tmp_path / "bad.npz"
-    np.savez(bad, **fields)
+    for name, change in (("phrases", 1000), ("seen", -1), ("lens", -3)):  # ids outside the vocabulary, a used
+        broken = dict(fields)                                              # slot seen 0 times or empty
+        broken[name] = (fields[name].astype(np.int64) + change).astype(fields[name].dtype)
+        np.savez(bad, **broken)
+        with pytest.raises(ValueError, match="corrupt"):
+            PhrasePool.load(bad)
+    broken = dict(fields, sources=fields["sources"] + 9)
+    np.savez(bad, **broken)
+    PhrasePool.load(bad)  # any tag is a valid pool ...
     with pytest.raises(ValueError, match="corrupt"):
-        PhrasePool.load(bad)
+        PhrasePool.load(bad, max_source=3)  # ... but not for a drafter that knows 4 sources
 
 
 # ---- the lookahead window ---------------------------------------------------------------------------------

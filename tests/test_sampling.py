@@ -495,7 +495,7 @@ def test_ouroboros_walk_happens_and_a_planted_walk_bug_is_detected(e2e_decoder, 
         node, tokens, nodes = start, [], []
         while True:
             heads = [c for (p, _), c in trie.child.items() if p == node]
-            tok = trie.tokens[heads[0]] if heads else picks[node]
+            tok = trie.tokens[heads[0]] if heads else picks[node - start]
             tokens.append(tok)
             nodes.append(node)
             if len(tokens) >= room or not heads:

@@ -112,13 +112,13 @@ class _Trie:
 
 
 def walk(trie: _Trie, picks: list[int], room: int, start: int = 0) -> tuple[list[int], list[int]]:
-    """The draft's walk down one row's tree: ``picks[n]`` is its draw (or argmax) at node ``n``. From ``start``
+    """The draft's walk down one row's tree: ``picks[n - start]`` is its draw (or argmax) at node ``n``. From ``start``
     (the chain's last token), each node's draw is a chain token; the walk moves on into the phrase child
     carrying that token, if there is one and ``room`` allows more tokens. Returns the tokens added and the
     nodes whose draws they are (``start``, then the phrase nodes walked into, whose KV the draft keeps)."""
     node, tokens, nodes = start, [], []
     while True:
-        tok = picks[node]
+        tok = picks[node - start]
         tokens.append(tok)
         nodes.append(node)
         child = trie.child.get((node, tok))
@@ -271,7 +271,7 @@ class OuroborosDrafter(Drafter):
     def _propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         b = state.seq.shape[0]
         dev = state.seq.device
-        self._tries, self._verdict = [None] * b, None
+        self._tries, self._verdict, self._chains = [None] * b, None, [[] for _ in range(b)]
         roots = state.roots.tolist()
         limits = [min(d, self.gamma) for d in budget.max_depth]
         if max(limits) < 1:
@@ -298,13 +298,14 @@ class OuroborosDrafter(Drafter):
         drafting then walks its tree (:func:`walk`), adding one or more chain tokens."""
         b = len(chains)
         active = [bool(prefixes[r]) and len(chains[r]) < limits[r] for r in range(b)]
-        tries, window_at = [], []
+        tries, window_at, anchors = [], [], []
         for r in range(b):
             prefix = prefixes[r] or [0]
             trie = _Trie(prefix[0])
             for t in prefix[1:]:
                 trie.add(len(trie) - 1, t, 0, merge=False)
             anchor = len(trie) - 1
+            anchors.append(anchor)
             window_at.append(-1)
             if active[r] and self.lookahead:
                 for phrase, source, seen in self.pool.lookup_tagged(prefix[-1], self.n_verify, self.order):
@@ -325,20 +326,27 @@ class OuroborosDrafter(Drafter):
         logits, _ = self.base.runner.forward_tree(tree)
         self.base.draft_calls += 1
         self._stats["draft_forwards"] += 1
-        tok, q, top = self._pick_all(logits)
+        # Picks only where the walk may read them: each row's anchor and the phrase nodes after it (not the
+        # prefix, which may be a whole prompt, nor the window, whose argmax _window_update reads).
+        ends = [window_at[r] if window_at[r] >= 0 else len(tries[r]) for r in range(b)]
+        width = max(e - a for e, a in zip(ends, anchors))
+        at = torch.tensor(anchors, device=dev)[:, None] + torch.arange(width, device=dev)
+        at = at.clamp(max=logits.shape[1] - 1)
+        tok, q, top = self._pick_all(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[2])))
         picks = tok.tolist()
         tops_host = top.tolist() if top is not None else None
         paths = []
         for r in range(b):
             path = list(range(len(prefixes[r])))
             if active[r]:
-                added, walked = walk(tries[r], picks[r], limits[r] - len(chains[r]), start=path[-1])
+                a = anchors[r]
+                added, walked = walk(tries[r], picks[r], limits[r] - len(chains[r]), start=a)
                 chains[r] += added
                 for node in walked:
                     if q is not None:
-                        probs[r].append((q.ids[r, node], q.probs[r, node]))
+                        probs[r].append((q.ids[r, node - a], q.probs[r, node - a]))
                     if tops_host is not None:
-                        tops[r].append(tops_host[r][node])
+                        tops[r].append(tops_host[r][node - a])
                 self._stats["walk_tokens"] += len(walked) - 1
                 path += walked[1:]
             paths.append(path)
@@ -384,7 +392,7 @@ class OuroborosDrafter(Drafter):
                     key = chains[r][i - 1] if i > 0 else roots[r]
                     tagged = self.pool.lookup_tagged(key, self.k, self.order)
                     room = max_depth[r] - i
-                    trie.tried[chain_nodes[i]] = [p[:room] for p, _, _ in tagged]
+                    trie.tried[chain_nodes[i]] = [p for p, _, _ in tagged]
                     self._stats["lookups"] += 1
                     self._stats["lookup_hits"] += bool(tagged)
                     for phrase, source, seen in tagged:
@@ -462,15 +470,25 @@ class OuroborosDrafter(Drafter):
 
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
                drafted: list[int]) -> None:
-        self.base.update(state, tree, path, path_len, drafted)
-        if self.context:
-            ends = state.seq_lens_host
-            rows = [r for r, n in enumerate(path_len) if n > 0]
-            if rows:
-                lo = max(0, min(ends[r] - path_len[r] for r in rows) - self.phrase_len)
-                text = state.seq[:, lo: max(ends[r] for r in rows)].tolist()
-                for r in rows:
-                    self._feed_context(text[r], ends[r] - path_len[r] - lo, ends[r] - lo)
+        # The draft's cache holds the drafted chain; keep only what the committed text agrees with (the target
+        # may have taken a phrase branch instead of the chain, so the accepted length alone does not say).
+        keep = self.base._keep(state)
+        ends = state.seq_lens_host
+        rows = [r for r, n in enumerate(path_len) if n > 0]
+        if rows:
+            lo = max(0, min(ends[r] - path_len[r] for r in rows) - self.phrase_len)
+            text = state.seq[:, lo: max(ends[r] for r in rows)].tolist()  # one transfer
+            for r in rows:
+                start = ends[r] - path_len[r]  # the first new token's position
+                new, chain = text[r][start - lo: ends[r] - lo], self._chains[r]
+                same = 0
+                while same < min(len(new), len(chain)) and new[same] == chain[same]:
+                    same += 1
+                keep[r] = min(keep[r], start + same)
+                if self.context:
+                    self._feed_context(text[r], start - lo, ends[r] - lo)
+        self.base.runner.rollback(keep)
+        self.base._seen = keep
         if self._verdict is None or not any(t is not None for t in self._tries):
             return
         verified, verdict = self._verdict

@@ -82,10 +82,10 @@ class PhrasePool:
                 s = int(agree[0])
                 if lens[s] >= n:  # already stored (whole or as a prefix): refresh
                     self.stamps[key, s] = self.clock
+                    self.seen[key, s] = min(255, int(self.seen[key, s]) + 1)
                 else:  # this phrase extends the stored one
-                    self._write(key, s, p, self.sources[key, s], self.seen[key, s])
+                    self._write(key, s, p, self.sources[key, s], int(self.seen[key, s]))
                 self.sources[key, s] = max(int(self.sources[key, s]), source)
-                self.seen[key, s] = min(255, int(self.seen[key, s]) + 1)
                 self.refreshes += 1
                 return
         slot = c if c < self.capacity else int(self.stamps[key].argmin())
@@ -126,7 +126,7 @@ class PhrasePool:
         self.lens[key, slot] = len(p)
         self.stamps[key, slot] = self.clock
         self.sources[key, slot] = source
-        self.seen[key, slot] = seen + 1
+        self.seen[key, slot] = min(255, seen + 1)
 
     def lookup(self, key: int, k: int | None = None, order: str = "recent") -> list[list[int]]:
         """Up to ``k`` (default all) phrases after ``key``: newest first (``order="recent"``), or the most often
@@ -175,9 +175,10 @@ class PhrasePool:
 
     @classmethod
     def load(cls, path: str | os.PathLike, vocab_size: int | None = None, capacity: int | None = None,
-             phrase_len: int | None = None) -> "PhrasePool":
+             phrase_len: int | None = None, max_source: int = 127) -> "PhrasePool":
         """A pool saved by :meth:`save`. Given sizes must match the file's (a clear error otherwise); a file
-        that is not a pool, or is damaged, raises ``ValueError``."""
+        that is not a pool, is damaged, or tags a phrase with a source above ``max_source`` raises
+        ``ValueError``."""
         try:
             with np.load(path, allow_pickle=False) as z:
                 data = {k: z[k] for k in z.files}
@@ -198,9 +199,11 @@ class PhrasePool:
         if any(data[k].shape != s for k, s in shapes.items()) or (n and (keys.min() < 0 or keys.max() >= v)):
             raise ValueError(f"{path}: corrupt phrase pool (array shapes or keys do not fit {v}x{g}x{p})")
         counts, lens, phrases = data["counts"], data["lens"], data["phrases"]
-        if n and (counts.min() < 1 or counts.max() > g or lens.min() < 0 or lens.max() > p
+        used = np.arange(g)[None] < counts[:, None] if n else np.zeros((0, g), dtype=bool)  # [n, G] filled slots
+        if n and (counts.min() < 1 or counts.max() > g or lens.max() > p or lens[used].min() < 1
+                  or data["seen"][used].min() < 1 or data["sources"].min() < 0 or data["sources"].max() > max_source
                   or phrases.max() >= v or phrases.min() < -1):
-            raise ValueError(f"{path}: corrupt phrase pool (counts, lengths or token ids out of range)")
+            raise ValueError(f"{path}: corrupt phrase pool (counts, lengths, tags or token ids out of range)")
         pool = cls(v, g, p)
         pool.phrases[keys], pool.lens[keys], pool.stamps[keys], pool.counts[keys] = phrases, lens, data["stamps"], counts
         pool.sources[keys], pool.seen[keys] = data["sources"], data["seen"]
