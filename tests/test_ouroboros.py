@@ -328,3 +328,34 @@ def test_walk_follows_only_matching_draws():
     assert ouroboros.walk(trie, picks, 10) == ([7, 0], [0, 1])
     assert ouroboros.walk(trie, picks, 1) == ([7], [0])
     assert ouroboros.walk(trie, [6, 8, 9], 10) == ([6], [0])
+
+
+def test_draft_cache_keeps_only_what_the_committed_text_confirms(monkeypatch):
+    """When the target takes a phrase branch instead of the drafted chain, the draft's cache must drop the
+    chain tokens the text does not confirm (else the draft drafts from a context that never happened)."""
+    diverged = 0
+    original = ouroboros.OuroborosDrafter.update
+
+    def checked(self, state, tree, path, path_len, drafted):
+        nonlocal diverged
+        chains = [list(c) for c in self._chains]
+        original(self, state, tree, path, path_len, drafted)
+        seq = state.seq.tolist()
+        for r, n in enumerate(path_len):
+            if n == 0 or not chains[r]:
+                continue
+            start = state.seq_lens_host[r] - n
+            cached = max(0, self.base._seen[r] - start)  # this step's chain tokens the draft cache kept
+            assert cached <= len(chains[r]) and seq[r][start: start + cached] == chains[r][:cached]
+            diverged += n > 1 and seq[r][start] != chains[r][0]  # accepted tokens, but not the chain's
+
+    monkeypatch.setattr(ouroboros.OuroborosDrafter, "update", checked)
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 3.0))  # a draft that is often wrong
+    loop = [11, 12, 13, 14, 15, 16, 17, 18]
+    prompts = [loop * 4, [3] + loop * 3, prompts_of(11)[2]]
+    ref = dec.generate_ids(prompts, "ar", 32).tokens
+    res = dec.generate_ids(prompts, "ouroboros", 32, gamma=3, attach="all", context=1, lookahead=1,
+                           schedule="static")
+    assert res.tokens == ref
+    assert diverged > 0  # the case happened
