@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from specdec import memory, methods
 from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate, tree_margin
 from specdec.draft_models import is_feature_draft
+from specdec.draft_worker import ConcurrentDraft, InlineDraft, ProcessDraft
 from specdec.hub import DEFAULT_MODEL, DRAFTS, cache_dir, load_model, tables_cache_dir
 from specdec.model import ModelRunner
 from specdec.ngram_corpus import NGramCorpus, shipped_corpus, vocab_fingerprint
@@ -99,6 +100,7 @@ class SpecDecoder:
         self._step_cost: StepCost | None = None
         self._acceptance: dict = {}  # acceptance tables learned across calls: one model, one workload
         self._draft_seconds: dict[str, float] = {}
+        self._workers: dict = {}  # draft backends that run beside the target (PEARL), per kind and draft
         self._references: dict[tuple[int, ...], list[int]] = {}  # the oracle's greedy reference runs
         self._reference_len: dict[tuple[int, ...], int] = {}  # the max_new_tokens each was run for
         self._ngram_tables: NGramTables | None = None
@@ -140,6 +142,25 @@ class SpecDecoder:
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
         self._step_cost = None  # compiled steps cost less: measure again
         self._draft_seconds = {}
+
+    def draft_backend(self, name: str, kind: str = "process") -> tuple[ConcurrentDraft, int | None]:
+        """A backend that drafts with draft ``name`` beside the target (PEARL), and the core it keeps to
+        (None: none). ``process``: a worker process, started on first use and kept for later calls (a new one
+        replaces a worker that died); ``inline``: in this process."""
+        model, _ = self.get_draft(name)
+        if kind == "inline":
+            return self._workers.setdefault(("inline", name), InlineDraft(model)), None
+        worker = self._workers.get(("process", name))
+        if worker is None or not worker.alive:
+            worker = self._workers[("process", name)] = ProcessDraft(model)
+        return worker, worker.core
+
+    def close(self) -> None:
+        """Stop the draft worker processes this decoder started (also done when it is collected or the
+        interpreter exits)."""
+        for worker in self._workers.values():
+            worker.close()
+        self._workers.clear()
 
     def get_draft(self, name: str | None = None) -> tuple[PreTrainedModel, ModelRunner]:
         """The draft model and its runner: the default one, or the one loaded as ``name``."""
@@ -270,6 +291,8 @@ class SpecDecoder:
             rows = prompts[start:end]
             if drafter is None:
                 res = autoregressive_generate(self.runner, rows, max_new_tokens, sampling, self.eos)
+            elif spec.own_loop:
+                res = drafter.generate(self.runner, rows, max_new_tokens, sampling, self.eos)
             else:
                 res = speculative_generate(self.runner, drafter, rows, max_new_tokens, sampling, self.eos, policy)
             res.stats.memory_estimate = need[(start, end)]
@@ -293,7 +316,8 @@ class SpecDecoder:
     def _call_shape(self, spec, opts, drafter, policy, max_new_tokens: int, sampling: SamplingConfig) -> "memory.CallShape":
         return memory.CallShape(
             self.model, self.get_draft(getattr(opts, "draft", None))[0] if spec.needs_draft else None,
-            0 if drafter is None else tree_margin(drafter, policy, max_new_tokens), max_new_tokens,
+            0 if drafter is None else drafter.margin if spec.own_loop else tree_margin(drafter, policy, max_new_tokens),
+            max_new_tokens,
             memory.sampling_copies(sampling), drafter is not None and drafter.needs_hidden)
 
     def _fit(self, shape: "memory.CallShape", lens: list[int], max_memory, chunk: bool):

@@ -7,6 +7,7 @@ calls are counted with forward hooks, the same way for every method.
 """
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -59,6 +60,14 @@ def _run_one(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, samp
         return hf_generate(dec.model, prompt, max_new, sampling, assistant_model=dec.get_draft(own.get("draft"))[0]), None
     res = dec.generate_ids([prompt], method, max_new, sampling, **{**options.get(method, {}), **own})
     return res.tokens[0], res.stats
+
+
+def _remote_draft_calls(label: str, stats) -> int:
+    """Draft forwards a method ran outside this process (PEARL's worker), which the hooks cannot see."""
+    method, _ = parse_label(label)
+    if stats is None or method in HF_METHODS or not methods.get(method).own_loop:
+        return 0
+    return stats.draft_calls
 
 
 def _prepare(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
@@ -123,7 +132,7 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
             run = {
                 "method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(tokens),
                 "seconds": seconds, "prefill_seconds": stats.prefill_s if stats else None,
-                "target_calls": target_calls.take(), "draft_calls": draft_calls.take(),
+                "target_calls": target_calls.take(), "draft_calls": draft_calls.take() + _remote_draft_calls(m, stats),
                 "compiled_target_calls": dec.runner.compiled_calls - compiled_before,
                 "drafted_tokens": stats.drafted_tokens if stats else None,
                 "accepted_tokens": stats.accepted_tokens if stats else None,
@@ -187,7 +196,7 @@ def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int,
         "model": model, "draft": draft, "dtype": dtype, "linear": linear, "compile": compile,
         "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
     }
 

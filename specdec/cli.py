@@ -119,6 +119,12 @@ def cmd_bench(args) -> int:
     from specdec.methods import parse_label
     from specdec.prompts import read_prompts
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit("--threads must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
     dec = _decoder(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     prompts = read_prompts(args.prompts, dec, args.limit, args.per_category)
@@ -243,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--per-category", type=int, default=None, help="first K prompts of each category, interleaved")
     b.add_argument("--json", default=None, metavar="OUT", help="write the full results here")
+    b.add_argument("--threads", type=int, default=None, help="intra-op threads every method runs with (default: "
+                   "torch's, from OMP_NUM_THREADS or the cores); 2 on a two-core machine is the fair setting for "
+                   "pearl, which runs its target on one thread and its draft worker on the other core")
     b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("ngram-corpus", help="index the target's greedy replies to prompts for ngrammys' corpus drafts")

@@ -29,6 +29,7 @@ from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES
 from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance,
                               ProbabilityCalibration, StaticLength, StepCost)
 from specdec.policies.disco import DiscoClassifier, DiscoStop, OracleStop, PlattCalibration, draft_fingerprint
+from specdec.pearl import PearlDecoding, WindowLength, one_thread
 from specdec.verify import SamplingConfig
 
 
@@ -153,6 +154,24 @@ class OuroborosOptions:
 
 
 @dataclass(frozen=True)
+class PearlOptions:
+    gamma: int = option(3, "draft window per round (window=fixed), and the adaptive rule's first choice")
+    window: str = option("adaptive", "adaptive: each round picks the window with the most expected tokens per "
+                                     "second from the target's measured step cost, the draft's measured forward "
+                                     "time and the acceptance so far; fixed: --gamma", ("adaptive", "fixed"))
+    max_gamma: int = option(8, "adaptive: the longest window")
+    pre_verify: int = option(1, "the target checks a fresh window's first token while the rest is drafted "
+                                "(0: the ablation, a drafting-only round)", (0, 1))
+    post_verify: int = option(1, "the draft drafts the next window while the target verifies (0: the ablation, "
+                                 "verify alone and draw a bonus token)", (0, 1))
+    backend: str = option("process", "process: the draft in a worker process on a core of its own (concurrent); "
+                                     "inline: in this process, one after the other (the same outputs, no overlap)",
+                          ("process", "inline"))
+    proposal_topk: int = option(64, "sampling: the draft samples from its k most likely tokens (renormalised)")
+    draft: str | None = option(None, "which loaded draft (default: the first)", cli=False)
+
+
+@dataclass(frozen=True)
 class Method:
     """A decoding method.
 
@@ -160,6 +179,9 @@ class Method:
     prepare: ``(dec, options, prompts, max_new_tokens, sampling) -> None``, work a method needs done for
     these prompts before it decodes (the oracle's reference runs); benchmarks call it outside the timed
     region, ``generate_ids`` before every call (it must be cheap when repeated).
+    own_loop: ``build`` returns ``(loop, None)``, a method with a decode loop of its own: ``loop.margin`` (cache
+    room past the longest sequence) and ``loop.generate(target_runner, prompts, max_new_tokens, sampling,
+    eos_ids) -> DecodeResult`` (PEARL, whose draft runs beside the target).
     """
 
     name: str
@@ -168,6 +190,7 @@ class Method:
     needs_draft: bool = False
     build: Callable[[Any, Any, SamplingConfig], tuple] | None = None
     prepare: Callable[[Any, Any, list[list[int]], int, SamplingConfig], None] | None = None
+    own_loop: bool = False
 
     def parse(self, given: dict) -> Any:
         """The options dataclass from ``given`` (name -> value; strings from labels are converted to
@@ -340,6 +363,31 @@ def _build_ouroboros(dec, o: OuroborosOptions, sampling: SamplingConfig):
     return drafter, StaticLength(depth, cost=dec.step_cost() if schedule == "cost" else None)
 
 
+def _build_pearl(dec, o: PearlOptions, sampling: SamplingConfig):
+    draft, _ = dec.get_draft(o.draft)
+    name = o.draft or dec.draft_names()[0]
+    if is_feature_draft(draft):
+        raise ValueError(f"pearl needs a plain draft model; {name!r} is feature-conditioned (EAGLE), and it would "
+                         "need the target's hidden states of the very positions the target is verifying concurrently")
+    if o.window == "fixed" and o.gamma > o.max_gamma:
+        o = dataclasses.replace(o, max_gamma=o.gamma)
+    if o.window == "adaptive" and o.gamma > o.max_gamma:
+        raise ValueError(f"pearl: gamma ({o.gamma}) must be <= max_gamma ({o.max_gamma})")
+    backend, core = dec.draft_backend(name, o.backend)
+    if o.window == "adaptive":  # costs on the one thread the target runs at; learned across calls
+        cost = dec.acceptance(("pearl", "cost", dec.compiled), lambda: one_thread_cost(dec))
+        window = WindowLength(o.gamma, True, o.max_gamma, cost, dec.draft_seconds(name))
+    else:
+        window = WindowLength(o.gamma)
+    return PearlDecoding(backend, window, bool(o.pre_verify), bool(o.post_verify), o.proposal_topk, core), None
+
+
+def one_thread_cost(dec) -> StepCost:
+    """The target's step cost measured on one intra-op thread (the thread PEARL's target runs on)."""
+    with one_thread():
+        return StepCost.calibrate(dec.runner, sizes=tuple(range(1, 10)))
+
+
 NGRAMMYS_CORPUS_SLOTS = 2  # ngrammys' default ``c`` where an n-gram corpus fits the model
 
 REGISTRY: dict[str, Method] = {}
@@ -366,6 +414,9 @@ register(Method("gsd", "GSD: the draft model's top-k continuations grown level b
                        "n-grams merged, low-probability nodes not expanded), verified as one tree", GSDOptions, True,
                 _build_gsd))
 
+register(Method("pearl", "PEARL: the draft model drafts in a worker process on its own core while the target "
+                         "verifies (pre-verify, post-verify), with an adaptive window", PearlOptions, True,
+                _build_pearl, own_loop=True))
 register(Method("ouroboros", "Ouroboros: the draft model drafts phrase by phrase (lookahead window, phrase pool), "
                              "pool phrases lengthen the draft, verification and history feed the pool",
                 OuroborosOptions, True, _build_ouroboros))

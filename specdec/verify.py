@@ -189,7 +189,8 @@ class Verifier:
         return kernels.sample_from_probs(probs, u)
 
     def verify(
-        self, tree: DraftTree, logits: torch.Tensor, *, bonus: bool = True, per_node: bool | None = None
+        self, tree: DraftTree, logits: torch.Tensor, *, bonus: "bool | torch.Tensor" = True,
+        per_node: bool | None = None
     ) -> VerifyResult:
         """Accept a path of ``tree`` given the target's logits at its nodes.
 
@@ -205,6 +206,9 @@ class Verifier:
                 continuation. Where a draft is rejected the correction token is emitted as usual.
                 A row without a next token has its leaf as the next root, whose KV is by convention
                 not cached: keep the KV of its path without the leaf (``path_len - 1`` nodes).
+                A ``[B] bool`` tensor chooses per row (logits as for False): a True row draws its next
+                token at any leaf, as with ``bonus=True``, which needs the leaf's logits, so its node
+                ``T-1`` must be invalid (its chain or tree ends earlier).
             per_node: compute ``target_argmax`` (greedy) or ``target_topk_*`` (sampling); None
                 uses the Verifier's default.
 
@@ -225,16 +229,24 @@ class Verifier:
             :class:`VerifyResult`.
         """
         b, t = tree.tokens.shape
-        rows = t if bonus else t - 1
+        per_row = isinstance(bonus, torch.Tensor)
+        if per_row:
+            if tuple(bonus.shape) != (b,) or bonus.dtype != torch.bool:
+                raise ValueError(f"a per-row bonus must be a [B] = [{b}] bool tensor, got {tuple(bonus.shape)} "
+                                 f"{bonus.dtype}")
+            if bool((bonus & tree.valid[:, t - 1]).any()):
+                raise ValueError("a row drawing a bonus token needs its leaf's logits: its node T-1 must be invalid")
+        everywhere = not per_row and bool(bonus)
+        rows = t if everywhere else t - 1
         if logits.dim() != 3 or tuple(logits.shape[:2]) != (b, rows):
-            raise ValueError(f"logits must be [B, {'T' if bonus else 'T-1'}, V] = [{b}, {rows}, V] for a tree of "
-                             f"{t} nodes with bonus={bonus}, got {tuple(logits.shape)}")
+            raise ValueError(f"logits must be [B, {'T' if rows == t else 'T-1'}, V] = [{b}, {rows}, V] for a tree of "
+                             f"{t} nodes with bonus={'per row' if per_row else bonus}, got {tuple(logits.shape)}")
         if logits.numel():
             check_logits(logits)
         per_node = self.per_node if per_node is None else per_node
         # The kernels take T rows; node T-1's row (a zero row) is only read if that leaf is accepted, and
         # what it yields then (a next token) is dropped below.
-        full = logits if bonus else torch.cat([logits, logits.new_zeros(b, 1, logits.shape[2])], dim=1)
+        full = logits if rows == t else torch.cat([logits, logits.new_zeros(b, 1, logits.shape[2])], dim=1)
         argmax = topk_ids = topk_probs = None
         if self.cfg.greedy:
             path, path_len, nxt = kernels.tree_verify_greedy(tree.tokens, tree.parents, full, tree.valid)
@@ -251,10 +263,12 @@ class Verifier:
                                                                None if q is None else q.ids)
             if per_node:
                 topk_ids, topk_probs = self._node_topk(x, rows)
-        if bonus:
+        if everywhere:
             has_next = torch.ones(b, dtype=torch.bool, device=nxt.device)
         else:
             has_next = ~ends_at_leaf(tree, path, path_len)
+            if per_row:
+                has_next |= bonus.to(has_next.device)
             nxt = torch.where(has_next, nxt, -1)
         return VerifyResult(path, path_len, nxt, has_next, argmax, topk_ids, topk_probs)
 

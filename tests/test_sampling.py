@@ -407,7 +407,7 @@ def e2e_pvalues(dec: SpecDecoder, method: str, config: str, eos: bool, rows: int
     # too little for the "speculation happened" check (2,000 of the 3,000 drafts wanted, seen twice).
     method, own = methods.parse_label(method)  # "name" or a label "name:key=value"
     opts = {"sd": {"draft_length": 2}, "ngrammys": {"k": 3, "w": 2}, "pld": {"schedule": "static"},
-            "gsd": {"k": 2, "max_depth": 2}, "ouroboros": {"gamma": 3}}.get(method, {})
+            "gsd": {"k": 2, "max_depth": 2}, "ouroboros": {"gamma": 3}, "pearl": {"gamma": 2}}.get(method, {})
     opts = runnable(dec, {**opts, **own})
     out, drafted, accepted = [], 0, 0
     for chunk in range(rows // E2E_CHUNK):
@@ -446,6 +446,10 @@ E2E_CASES += [("gsd:siblings=sample", "temp0.8", False), ("gsd:siblings=sample:t
 # Ouroboros: every part on (the draft's walk into pool phrases included), phrases after the last chain token
 # only or after every one; and with EOS.
 E2E_CASES += [("ouroboros:lookahead=1:attach=last", "topk6-topp0.85", False), ("ouroboros:lookahead=1", "temp0.8", True)]
+# PEARL: the worker process (the registry case above), and inline each ablation, a fixed window, and EOS.
+E2E_CASES += [("pearl:backend=inline:window=fixed:gamma=2", "topk6-topp0.85", False),
+              ("pearl:backend=inline:pre_verify=0", "temp0.8", True),
+              ("pearl:backend=inline:post_verify=0:window=fixed", "temp0.8", False)]
 
 
 @pytest.mark.parametrize("method,config,eos", E2E_CASES)
@@ -464,6 +468,21 @@ def test_generate_planted_bug_is_detected(e2e_decoder, monkeypatch):
     residual) fails the same test on sd."""
     monkeypatch.setattr(kernels, "tree_verify_sampling", planted("onehot_residual"))
     pvals, *_ = e2e_pvalues(e2e_decoder, "sd", "topk6-topp0.85", False, rows=3000)
+    assert pvals["joint"] < POWER, pvals
+
+
+def test_pearl_planted_bug_is_detected(e2e_decoder, monkeypatch):
+    """PEARL's chains carry the proposals of drafts made in earlier rounds: dropping them (verifying the drawn
+    drafts as if deterministic) fails the test."""
+    from specdec import pearl
+    from specdec.tree import SparseProbs
+
+    def forgotten(chains, run, verify_row, use_window, pending_q, win, width, device):
+        return SparseProbs.one_hot(len(chains), width, device)
+
+    monkeypatch.setattr(pearl, "_chain_q", forgotten)
+    pvals, *_ = e2e_pvalues(e2e_decoder, "pearl:backend=inline:window=fixed:gamma=2", "topk6-topp0.85", False,
+                            rows=3000)
     assert pvals["joint"] < POWER, pvals
 
 
