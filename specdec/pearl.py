@@ -277,11 +277,7 @@ def pearl_generate(
                 out.add(r, emitted_host[r][:n_emit])
                 pre = len(run[r]) == 0
                 if use_window[r] and not nxt:  # every draft accepted, the window's first token too
-                    rest = [t for t in win.tokens[r, 1: depth[r]].tolist() if t >= 0]
-                    new_pending[r] = rest
-                    if win.q is not None:
-                        new_q[r] = SparseProbs(win.q.ids[r: r + 1, 1: 1 + len(rest)],
-                                               win.q.probs[r: r + 1, 1: 1 + len(rest)])
+                    new_pending[r], new_q[r] = _window_tail(win, r, 1, depth[r])
                     if pre:
                         rounds.pre_accept += 1
                     else:
@@ -295,9 +291,7 @@ def pearl_generate(
             stats.steps += 1
         for r in range(b):
             if not verify_row[r] and use_window[r]:  # drafting only: the whole window waits for the next round
-                new_pending[r] = [t for t in win.tokens[r, : depth[r]].tolist() if t >= 0]
-                new_q[r] = None if win.q is None else SparseProbs(win.q.ids[r: r + 1, : len(new_pending[r])],
-                                                                  win.q.probs[r: r + 1, : len(new_pending[r])])
+                new_pending[r], new_q[r] = _window_tail(win, r, 0, depth[r])
                 rounds.draft_only += 1
         pending, pending_q = new_pending, new_q
         window.observe(tested_all, accepted_all, win.seconds if win else None, win.forwards if win else 0,
@@ -305,6 +299,16 @@ def pearl_generate(
     stats.drafter = rounds.summary()
     stats.total_s = time.perf_counter() - t0
     return DecodeResult(out.tokens, stats)
+
+
+def _window_tail(win, r: int, start: int, depth: int) -> tuple[list[int], SparseProbs | None]:
+    """Row ``r``'s window tokens ``start .. depth - 1`` (the drafted ones) and the proposals they were drawn
+    from, ``[1, n, k]`` (None when greedy): the next round's pending drafts."""
+    tokens = [t for t in win.tokens[r, start:depth].tolist() if t >= 0]
+    if win.q is None:
+        return tokens, None
+    end = start + len(tokens)
+    return tokens, SparseProbs(win.q.ids[r: r + 1, start:end], win.q.probs[r: r + 1, start:end])
 
 
 def _pad(rows: list[list[int]], width: int, device) -> torch.Tensor:

@@ -472,15 +472,19 @@ def test_generate_planted_bug_is_detected(e2e_decoder, monkeypatch):
 
 
 def test_pearl_planted_bug_is_detected(e2e_decoder, monkeypatch):
-    """PEARL's chains carry the proposals of drafts made in earlier rounds: dropping them (verifying the drawn
-    drafts as if deterministic) fails the test."""
+    """PEARL's pending drafts are verified a round after they were drawn: carrying the proposal of the wrong
+    window position with them (an off-by-one) fails the test."""
     from specdec import pearl
-    from specdec.tree import SparseProbs
 
-    def forgotten(chains, run, verify_row, use_window, pending_q, win, width, device):
-        return SparseProbs.one_hot(len(chains), width, device)
+    right = pearl._window_tail
 
-    monkeypatch.setattr(pearl, "_chain_q", forgotten)
+    def off_by_one(win, r, start, depth):
+        tokens, q = right(win, r, start, depth)
+        if q is not None and start > 0:
+            _, q = right(win, r, start - 1, depth - 1)
+        return tokens, q
+
+    monkeypatch.setattr(pearl, "_window_tail", off_by_one)
     pvals, *_ = e2e_pvalues(e2e_decoder, "pearl:backend=inline:window=fixed:gamma=2", "topk6-topp0.85", False,
                             rows=3000)
     assert pvals["joint"] < POWER, pvals
