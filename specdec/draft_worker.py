@@ -104,15 +104,18 @@ class _DraftCore:
 
     @torch.inference_mode()
     def window(self, seq: torch.Tensor, lens: list[int], depth: list[int], keep: list[int]):
-        """``(tokens [B,G], q [B,G,k] or None, forwards)`` for :meth:`ConcurrentDraft.submit`'s arguments."""
+        """``(tokens [B,G], q [B,G,k] or None, forwards)`` on the host for :meth:`ConcurrentDraft.submit`'s
+        arguments (``seq`` on the host; the draft may run on another device)."""
         d = self.drafter
         d.runner.rollback(keep)
         d._seen = [min(s, k) for s, k in zip(d._seen, keep)]
         calls = d.draft_calls
-        state = DecodeState(seq, torch.tensor(lens, device=seq.device), list(lens))
+        dev = self.runner.device
+        state = DecodeState(seq.to(dev), torch.tensor(lens, device=dev), list(lens))
         tree = d.propose(state, Budget(list(depth)))
-        tokens = torch.where(tree.valid, tree.tokens, -1)[:, 1:]
-        q = None if tree.draft_probs is None else SparseProbs(tree.draft_probs.ids[:, 1:], tree.draft_probs.probs[:, 1:])
+        tokens = torch.where(tree.valid, tree.tokens, -1)[:, 1:].cpu()
+        q = None if tree.draft_probs is None else SparseProbs(tree.draft_probs.ids[:, 1:].cpu(),
+                                                              tree.draft_probs.probs[:, 1:].float().cpu())
         return tokens, q, d.draft_calls - calls
 
 

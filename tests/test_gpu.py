@@ -120,7 +120,8 @@ def test_tree_verify_greedy_cuda(seed):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("method,opts", [("ar", {}), ("pld", {}), ("ngrammys", {"schedule": "static"}),
-                                         ("sd", {"draft_length": 4})])
+                                         ("sd", {"draft_length": 4}), ("gsd", {}), ("ouroboros", {}),
+                                         ("pearl", {"backend": "inline"}), ("pearl", {})])
 def test_greedy_decoding_on_cuda_matches_transformers(arch, method, opts):
     target = tiny_model(arch)
     model = copy.deepcopy(target).to(CUDA)

@@ -36,9 +36,9 @@ def best_sizes(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost, explore
     n_valid = valid[:, 1:].sum(-1).tolist()
     if r.shape[1] == 0:
         return [0] * r.shape[0]
-    top = r.sort(dim=1, descending=True).values.cumsum(1)  # [B,T-1] expected accepted with n = 1.. nodes
+    top = r.sort(dim=1, descending=True).values.cumsum(1).cpu()  # [B,T-1] expected accepted with n = 1.. nodes
     costs = torch.tensor(cost.costs(r.shape[1] + 1), dtype=top.dtype)
-    rates = torch.cat([torch.ones_like(top[:, :1]), 1.0 + top.cpu()], 1) / costs  # [B,T]: n = 0 .. T-1
+    rates = torch.cat([torch.ones_like(top[:, :1]), 1.0 + top], 1) / costs  # [B,T]: n = 0 .. T-1
     # Rows may not verify more nodes than they hold.
     n = torch.arange(rates.shape[1])[None]
     rates = rates.masked_fill(n > torch.tensor(n_valid)[:, None], float("-inf"))
