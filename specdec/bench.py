@@ -62,14 +62,6 @@ def _run_one(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, samp
     return res.tokens[0], res.stats
 
 
-def _remote_draft_calls(label: str, stats) -> int:
-    """Draft forwards a method ran outside this process (PEARL's worker), which the hooks cannot see."""
-    method, _ = parse_label(label)
-    if stats is None or method in HF_METHODS or not methods.get(method).own_loop:
-        return 0
-    return stats.draft_calls
-
-
 def _prepare(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
     """A method's per-prompt preparation (``Method.prepare``), outside the timed region."""
     method, own = parse_label(label)
@@ -132,7 +124,7 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
             run = {
                 "method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(tokens),
                 "seconds": seconds, "prefill_seconds": stats.prefill_s if stats else None,
-                "target_calls": target_calls.take(), "draft_calls": draft_calls.take() + _remote_draft_calls(m, stats),
+                "target_calls": target_calls.take(), "draft_calls": draft_calls.take() + (stats.remote_draft_calls if stats else 0),
                 "compiled_target_calls": dec.runner.compiled_calls - compiled_before,
                 "drafted_tokens": stats.drafted_tokens if stats else None,
                 "accepted_tokens": stats.accepted_tokens if stats else None,

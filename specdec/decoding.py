@@ -28,6 +28,7 @@ class DecodeStats:
 
     target_calls: int = 0
     draft_calls: int = 0
+    remote_draft_calls: int = 0  # of draft_calls, those run in another process (PEARL's worker)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     steps: int = 0
@@ -42,7 +43,7 @@ class DecodeStats:
 
     def merge(self, other: "DecodeStats") -> None:
         """Add the counters of ``other``, a generation of other rows run after this one (a batch chunk)."""
-        for name in ("target_calls", "draft_calls", "drafted_tokens", "accepted_tokens", "steps", "prefill_s",
+        for name in ("target_calls", "draft_calls", "remote_draft_calls", "drafted_tokens", "accepted_tokens", "steps", "prefill_s",
                      "target_s", "draft_s", "total_s", "chunks"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accept_lengths += other.accept_lengths

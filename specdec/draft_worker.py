@@ -15,16 +15,19 @@ Backends:
   thread count is global to a process (``bench/pearl_overlap.py`` measures both). Token ids and the draft's
   proposal distributions travel through shared memory, control through a pipe. The worker starts once per
   backend object and stops with :meth:`ProcessDraft.close`, when the object is collected, when the parent
-  exits (it is a daemon) or dies (the kernel signals it), so it is never left orphaned.
+  exits (it is a daemon), dies (the worker watches its parent's pid) or closes the pipe; a worker that does not
+  answer in time is stopped.
 - A GPU backend would run the draft on a second CUDA stream: ``submit`` enqueues the window there and
   returns, ``result`` waits on an event. Only the two classes above exist today.
 """
 from __future__ import annotations
 
-import ctypes
+import copy
+import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -67,10 +70,13 @@ class ConcurrentDraft:
     """The interface: ``begin`` per generation, then ``submit``/``result`` pairs, ``close`` at the end of use.
 
     ``submit(lens, depth, keep)`` drafts ``depth[b]`` tokens for row ``b`` from ``seq[b, :lens[b]]`` (the
-    :attr:`seq` buffer, which the caller fills first), after rolling the draft's cache back to ``keep[b]``
-    positions (host ints; ``keep[b] < lens[b]`` for every row that drafts: the draft needs at least its last
-    token's logits). ``result()`` returns the :class:`DraftWindow`.
+    :attr:`seq` buffer, which the caller fills first and leaves alone until ``result()``), after rolling the
+    draft's cache back to ``keep[b]`` positions (host ints; ``keep[b] < lens[b]`` for every row, drafting or
+    not: every row's unseen tokens are fed, at least its last). ``result()`` returns the :class:`DraftWindow`.
+    ``remote``: whether the draft's forwards run in another process (a benchmark's hooks cannot count them).
     """
+
+    remote: bool = False
 
     seq: torch.Tensor  # [B, capacity] int64: the caller's tokens, read by the draft
 
@@ -129,9 +135,12 @@ class InlineDraft(ConcurrentDraft):
     def begin(self, batch_size: int, capacity: int, depth: int, sampling: SamplingConfig,
               proposal_topk: int = 64) -> None:
         self.seq = torch.zeros(batch_size, capacity, dtype=torch.int64)
+        self._depth = depth
         self.core.begin(batch_size, capacity, depth, sampling, proposal_topk)
 
     def submit(self, lens: list[int], depth: list[int], keep: list[int]) -> None:
+        if max(depth, default=0) > self._depth:
+            raise ValueError(f"depth {max(depth)} exceeds the {self._depth} begin() allowed")
         t0 = time.perf_counter()
         tokens, q, forwards = self.core.window(self.seq, lens, depth, keep)
         self._window = DraftWindow(tokens, q, time.perf_counter() - t0, forwards)
@@ -143,23 +152,26 @@ class InlineDraft(ConcurrentDraft):
         return window
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to kill this process when its parent dies (Linux; elsewhere the pipe's EOF ends it)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _exit_with_parent(parent: int) -> None:
+    """End this process once ``parent`` is gone (it was killed, or exited without closing the pipe): a daemon
+    thread polls the parent pid. (``PR_SET_PDEATHSIG`` would fire when the parent's spawning *thread* ends,
+    which kills the worker of a decoder used from a thread pool.)"""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-def _worker_main(conn, model, core: int | None) -> None:
+def _worker_main(conn, model, core: int | None, parent: int) -> None:
     """The worker process: answer the parent's commands until it says close or goes away."""
-    _die_with_parent()
+    _exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
-    if core is not None:
-        os.sched_setaffinity(0, {core})
-    torch.set_num_threads(1)
     try:
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+        torch.set_num_threads(1)
         draft = _DraftCore(model)
     except Exception:
         conn.send(("error", -1, traceback.format_exc()))
@@ -196,6 +208,17 @@ def _worker_main(conn, model, core: int | None) -> None:
                 raise ValueError(f"unknown command {kind!r}")
         except Exception:
             conn.send(("error", seqno, traceback.format_exc()))
+
+
+def _without_hooks(model):
+    """A shallow copy of ``model`` (the same parameters and submodules) without its own hooks: a hook pickled with
+    the model (a benchmark's call counter) would drag what it refers to into the worker. Hooks on submodules
+    travel (and run in the worker)."""
+    clone = copy.copy(model)
+    for name, value in vars(model).items():
+        if name.endswith("hooks") and isinstance(value, dict):
+            setattr(clone, name, type(value)())
+    return clone
 
 
 @contextmanager
@@ -239,14 +262,19 @@ class ProcessDraft(ConcurrentDraft):
     ``timeout``: seconds to wait for the worker to start.
     """
 
+    remote = True
+
     def __init__(self, model, core: int | None = -1, timeout: float = 300.0):
         import torch.multiprocessing as tmp  # registers the reductions that send tensors as shared memory
 
+        if mp.current_process().daemon:
+            raise DraftWorkerError("a daemonic process (a multiprocessing pool worker) cannot start the draft worker "
+                                   "process: use backend=inline there")
         cores = sorted(os.sched_getaffinity(0))
         self.core = cores[-1] if core == -1 and len(cores) > 1 else None if core == -1 else core
         ctx = tmp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(child, model, self.core),
+        self._proc = ctx.Process(target=_worker_main, args=(child, _without_hooks(model), self.core, os.getpid()),
                                  daemon=True, name="specdec-draft-worker")
         with _main_hidden():
             self._proc.start()
@@ -256,6 +284,7 @@ class ProcessDraft(ConcurrentDraft):
         reply = self._receive(timeout, expect="ready")
         self.pid = reply[1]
         self._bufs = None
+        self._pending = None
 
     @property
     def alive(self) -> bool:
@@ -269,7 +298,9 @@ class ProcessDraft(ConcurrentDraft):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = wait([self._conn, self._proc.sentinel], left)
             if not ready:
-                raise DraftWorkerError(f"the draft worker (pid {self._proc.pid}) did not answer within {timeout} s")
+                self._finalizer()  # a hung worker is stopped: the decoder's next call starts a new one
+                raise DraftWorkerError(f"the draft worker (pid {self._proc.pid}) did not answer within {timeout} s; "
+                                       "it was stopped")
             if self._conn in ready:
                 try:
                     reply = self._conn.recv()
@@ -292,7 +323,11 @@ class ProcessDraft(ConcurrentDraft):
             raise DraftWorkerError(f"the draft worker (pid {self._proc.pid}) is not running (exit code "
                                    f"{self._proc.exitcode})")
         self._seqno += 1
-        self._conn.send((msg[0], self._seqno) + msg[1:])
+        try:
+            self._conn.send((msg[0], self._seqno) + msg[1:])
+        except (OSError, ValueError) as exc:  # it died between the check and the send
+            self._finalizer()
+            raise DraftWorkerError(f"the draft worker (pid {self._proc.pid}) is not running: {exc}") from None
         return self._seqno
 
     def begin(self, batch_size: int, capacity: int, depth: int, sampling: SamplingConfig,
@@ -307,11 +342,14 @@ class ProcessDraft(ConcurrentDraft):
                     torch.zeros(batch_size, depth, k).share_memory_())
             self._bufs = (shape, bufs)
         self.seq = self._bufs[1][0]
-        self._receive(60.0, "ok", self._send("begin", self._bufs[1], batch_size, capacity, depth,
+        # An abandoned window (an interrupted call) finishes first: wait as long as a window may take.
+        self._receive(WINDOW_TIMEOUT, "ok", self._send("begin", self._bufs[1], batch_size, capacity, depth,
                                                     sampling, proposal_topk))
         self._pending = None
 
     def submit(self, lens: list[int], depth: list[int], keep: list[int]) -> None:
+        if self._pending is not None:
+            raise RuntimeError("submit() while a window is in flight: call result() first (the worker reads seq)")
         if max(depth, default=0) > self._bufs[0][2]:
             raise ValueError(f"depth {max(depth)} exceeds the {self._bufs[0][2]} begin() allowed")
         self._pending = self._send("draft", list(lens), list(depth), list(keep))

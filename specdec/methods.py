@@ -365,21 +365,23 @@ def _build_ouroboros(dec, o: OuroborosOptions, sampling: SamplingConfig):
 
 def _build_pearl(dec, o: PearlOptions, sampling: SamplingConfig):
     draft, _ = dec.get_draft(o.draft)
-    name = o.draft or dec.draft_names()[0]
+    name = str(o.draft) if o.draft is not None else dec.draft_names()[0]
     if is_feature_draft(draft):
         raise ValueError(f"pearl needs a plain draft model; {name!r} is feature-conditioned (EAGLE), and it would "
                          "need the target's hidden states of the very positions the target is verifying concurrently")
-    if o.window == "fixed" and o.gamma > o.max_gamma:
-        o = dataclasses.replace(o, max_gamma=o.gamma)
     if o.window == "adaptive" and o.gamma > o.max_gamma:
         raise ValueError(f"pearl: gamma ({o.gamma}) must be <= max_gamma ({o.max_gamma})")
-    backend, core = dec.draft_backend(name, o.backend)
-    if o.window == "adaptive":  # costs on the one thread the target runs at; learned across calls
+
+    def make_window():
+        if o.window == "fixed":
+            return WindowLength(o.gamma)
+        # costs on the one thread the target runs at, learned across calls
         cost = dec.acceptance(("pearl", "cost", dec.compiled), lambda: one_thread_cost(dec))
-        window = WindowLength(o.gamma, True, o.max_gamma, cost, dec.draft_seconds(name))
-    else:
-        window = WindowLength(o.gamma)
-    return PearlDecoding(backend, window, bool(o.pre_verify), bool(o.post_verify), o.proposal_topk, core), None
+        return WindowLength(o.gamma, True, o.max_gamma, cost, dec.draft_seconds(name))
+
+    largest = o.gamma if o.window == "fixed" else o.max_gamma
+    return PearlDecoding(lambda: dec.draft_backend(name, o.backend), make_window, largest, bool(o.pre_verify),
+                         bool(o.post_verify), o.proposal_topk), None
 
 
 def one_thread_cost(dec) -> StepCost:

@@ -10,9 +10,10 @@ Every round, for every row, two things run at once (:mod:`specdec.draft_worker`)
 The round then verifies the chain ``[root, pending..., window[0]]``: the target's logits at the last pending
 token check the window's first token, and no bonus token is drawn (``Verifier.verify(bonus=False)``).
 
-- **Pre-verify** (no pending drafts): the target runs over the root alone and checks ``window[0]`` while the
-  draft is still drafting the rest. Rejected: its correction is emitted and the window is dropped after one
-  target forward; accepted: ``window[1:]`` becomes the pending drafts.
+- **Pre-verify** (no pending drafts): the target runs over the root alone while the draft drafts the window,
+  and its logits check ``window[0]``. Rejected: its correction is emitted and the window is dropped, one round
+  (``max(gamma draft forwards, one target forward)``) spent instead of a verification; accepted: ``window[1:]``
+  becomes the pending drafts.
 - **Post-verify** (pending drafts): while the target verifies them, the draft drafts the next window. All
   accepted, ``window[0]`` included: ``window[0]`` is the next root and ``window[1:]`` the next pending drafts,
   drafted while this round verified. A rejection: the correction is emitted and the pending drafts and window
@@ -94,7 +95,8 @@ class WindowLength:
                 target_seconds: float | None, target_nodes: int) -> None:
         """One round: draft tokens tested (accepted, or the first rejected) and accepted over all rows, the
         draft window's seconds and forwards,
-        and the target forward's seconds over ``target_nodes`` chain tokens (None if it did not run)."""
+        and the target forward's seconds over ``target_nodes`` chain tokens (None if it did not run; the step
+        cost is a one-row table, so batched rounds pass None)."""
         decay = 0.98  # acceptance drifts with the text: weigh the last ~50 rounds
         self.tested = decay * self.tested + tested
         self.accepted = decay * self.accepted + accepted
@@ -188,6 +190,7 @@ def pearl_generate(
     pending: list[list[int]] = [[] for _ in range(b)]
     pending_q: list[SparseProbs | None] = [None] * b  # [1, m, k] proposals of the pending drafts (sampling)
     fed = [0] * b  # draft cache positions that hold the row's tokens
+    first_window = True
     rounds = _Rounds()
     while not all(out.done):
         gamma = window.choose()
@@ -210,7 +213,8 @@ def pearl_generate(
                 use_window[r] = True
             else:
                 use_window[r] = verify_row[r] = True
-            depth[r] = gamma if use_window[r] else 0
+            # a window longer than what the row may still emit after this round would only be cut next round
+            depth[r] = min(gamma, max(1, left - m - 1)) if use_window[r] else 0
             run[r] = pending[r] if verify_row[r] else []
         drafting = any(depth)
         if drafting:
@@ -220,6 +224,7 @@ def pearl_generate(
                 if pending[r]:
                     draft.seq[r, lens[r]: draft_lens[r]] = torch.tensor(pending[r])
             keep = [min(fed[r], draft_lens[r] - 1) for r in range(b)]
+            first_window = min(fed) == 0  # it also feeds a whole prompt: not a time per forward to learn from
             draft.submit(draft_lens, depth, keep)
             fed = [draft_lens[r] + max(depth[r] - 1, 0) for r in range(b)]
         logits, target_seconds = None, None
@@ -238,6 +243,8 @@ def pearl_generate(
             rounds.wait_s += time.perf_counter() - t_wait
             rounds.window_s += win.seconds
             stats.draft_calls += win.forwards
+            if draft.remote:
+                stats.remote_draft_calls += win.forwards
         rounds.rounds += 1
         rounds.gamma_sum += gamma
         if target_seconds is not None:
@@ -294,8 +301,8 @@ def pearl_generate(
                 new_pending[r], new_q[r] = _window_tail(win, r, 0, depth[r])
                 rounds.draft_only += 1
         pending, pending_q = new_pending, new_q
-        window.observe(tested_all, accepted_all, win.seconds if win else None, win.forwards if win else 0,
-                       target_seconds, nodes)
+        window.observe(tested_all, accepted_all, win.seconds if win and not first_window else None,
+                       win.forwards if win else 0, target_seconds if b == 1 else None, nodes)
     stats.drafter = rounds.summary()
     stats.total_s = time.perf_counter() - t0
     return DecodeResult(out.tokens, stats)
@@ -338,28 +345,36 @@ def _chain_q(chains, run, verify_row, use_window, pending_q, win, width: int, de
 
 
 class PearlDecoding:
-    """What the registry's ``pearl`` builds: a draft backend and the round options, run by :meth:`generate`.
+    """What the registry's ``pearl`` builds, run by :meth:`generate`: the round options, and factories of the draft
+    backend and the window rule, called at the first generation (building the method, e.g. for a memory
+    estimate, starts no process and times nothing).
 
-    With a process backend, a generation runs the target on one intra-op thread, off the worker's core
-    (both restored afterwards): two workers on two cores, each pinned, as the method is defined here.
+    make_backend: ``() -> (ConcurrentDraft, core or None)``, the core a worker is pinned to; make_window:
+    ``() -> WindowLength``; largest_window: the window's upper bound (for the cache margin). A generation runs the
+    target on one intra-op thread, off the worker's core, both restored afterwards (an inline backend then runs
+    target and draft on that one thread, one after the other).
     """
 
-    def __init__(self, draft: ConcurrentDraft, window: WindowLength, pre_verify: bool = True,
-                 post_verify: bool = True, proposal_topk: int = 64, core: int | None = None):
-        self.draft, self.window = draft, window
-        self.pre_verify, self.post_verify, self.proposal_topk = pre_verify, post_verify, proposal_topk
-        self.core = core  # the worker's core, which the target keeps off
-
     needs_hidden = False  # the draft reads tokens only
+
+    def __init__(self, make_backend, make_window, largest_window: int, pre_verify: bool = True,
+                 post_verify: bool = True, proposal_topk: int = 64):
+        self.make_backend, self.make_window, self.largest_window = make_backend, make_window, largest_window
+        self.pre_verify, self.post_verify, self.proposal_topk = pre_verify, post_verify, proposal_topk
+        self.window: WindowLength | None = None
+
     @property
     def margin(self) -> int:
         """Cache room past the longest sequence for one round's chain."""
-        return self.window.largest + 1
+        return self.largest_window + 1
 
     def generate(self, target: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
                  sampling: SamplingConfig, eos_token_ids: set[int] | None) -> DecodeResult:
-        with one_thread(avoid=self.core):
-            return pearl_generate(target, self.draft, prompts, max_new_tokens, sampling, eos_token_ids, self.window,
+        draft, core = self.make_backend()
+        with one_thread(avoid=core):
+            if self.window is None:
+                self.window = self.make_window()  # an adaptive window calibrates on this one thread
+            return pearl_generate(target, draft, prompts, max_new_tokens, sampling, eos_token_ids, self.window,
                                   self.pre_verify, self.post_verify, self.proposal_topk)
 
 

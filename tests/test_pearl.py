@@ -176,6 +176,20 @@ def test_process_backend_matches_inline_and_transformers(worker_decoder):
     assert proc.stats.drafter["pearl"]["rounds"] == inline.stats.drafter["pearl"]["rounds"]
 
 
+def test_process_backend_stops_at_eos_like_transformers(worker_decoder):
+    """EOS inside a window of one row while the other rows go on: the worker's rows stay in step."""
+    dec = worker_decoder
+    prompts = [prompt_of(6, seed=1), prompt_of(25, seed=2), prompt_of(11, seed=3)]
+    free = hf_generate(dec.model, prompts[0], 30, GREEDY, eos_token_id=None)
+    saved, dec.eos = dec.eos, {free[9]}
+    try:
+        out = dec.generate_ids(prompts, "pearl", 30, GREEDY, window="fixed", gamma=4)
+        assert out.tokens == [hf_generate(dec.model, p, 30, GREEDY, eos_token_id=free[9]) for p in prompts]
+        assert len(out.tokens[0]) <= 10
+    finally:
+        dec.eos = saved
+
+
 def test_process_backend_samples_like_inline(worker_decoder):
     """Same seed, same draws: the worker's sampled proposals travel through shared memory intact."""
     dec = worker_decoder
