@@ -490,6 +490,8 @@ def test_compiled_runner_grows_the_same_tree():
         model = tiny_model("llama")
         want = grow(prefilled(model, 2, "kernel"), 2)
         got = grow(prefilled(model, 2, "kernel", compile=True), 2)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # Compiled graphs order fp32 reductions their own way (on an AVX-512 Xeon of this machine kind one logit
+        # differed by 1.2e-5): close, not equal.
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     finally:
         torch._dynamo.reset()
