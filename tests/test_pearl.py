@@ -12,10 +12,9 @@ import time
 import pytest
 import torch
 
-from specdec import draft_worker
 from specdec.api import SpecDecoder, hf_generate
-from specdec.draft_worker import DraftWorkerError, InlineDraft, ProcessDraft
-from specdec.pearl import WindowLength, best_window, pearl_generate
+from specdec.draft_worker import DraftWorkerError
+from specdec.pearl import WindowLength, best_window
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig, Verifier
 from tests.conftest import tiny_model
