@@ -149,7 +149,9 @@ class SpecDecoder:
         replaces a worker that died); ``inline``: in this process."""
         model, _ = self.get_draft(name)
         if kind == "inline":
-            return self._workers.setdefault(("inline", name), InlineDraft(model)), None
+            if ("inline", name) not in self._workers:
+                self._workers[("inline", name)] = InlineDraft(model)
+            return self._workers[("inline", name)], None
         worker = self._workers.get(("process", name))
         if worker is None or not worker.alive:
             worker = self._workers[("process", name)] = ProcessDraft(model)

@@ -219,11 +219,12 @@ def pearl_generate(
         drafting = any(depth)
         if drafting:
             draft_lens = [lens[r] + len(pending[r]) for r in range(b)]
-            draft.seq[:, : state.seq.shape[1]].copy_(state.seq)
+            keep = [min(fed[r], draft_lens[r] - 1) for r in range(b)]
+            lo = min(keep)  # the draft reads only what it has not cached
+            draft.seq[:, lo: state.seq.shape[1]].copy_(state.seq[:, lo:])
             for r in range(b):
                 if pending[r]:
                     draft.seq[r, lens[r]: draft_lens[r]] = torch.tensor(pending[r])
-            keep = [min(fed[r], draft_lens[r] - 1) for r in range(b)]
             first_window = min(fed) == 0  # it also feeds a whole prompt: not a time per forward to learn from
             draft.submit(draft_lens, depth, keep)
             fed = [draft_lens[r] + max(depth[r] - 1, 0) for r in range(b)]
@@ -267,11 +268,11 @@ def pearl_generate(
             path_len, has_next = verdict.path_len.long(), verdict.has_next
             emitted_n = path_len - 1 + has_next.long()
             keep_kv = path_len - (~has_next).long()
-            host = torch.stack([path_len, has_next.long(), emitted_n, keep_kv], 1).tolist()
             emitted = verdict.emitted(vtree)
+            # one transfer to the host: per row path length, has_next, tokens emitted, KV kept, the tokens
+            host = torch.cat([torch.stack([path_len, has_next.long(), emitted_n, keep_kv], 1), emitted], 1).tolist()
             target.commit(verdict.path, keep_kv, True, [h[3] for h in host])
             state.advance(SimpleNamespace(emitted=emitted, path_len=emitted_n, lengths=[h[2] for h in host]))
-            emitted_host = emitted.tolist()
             for r in range(b):
                 if not verify_row[r]:
                     continue
@@ -281,7 +282,7 @@ def pearl_generate(
                 stats.drafted_tokens += len(chains[r])
                 stats.accepted_tokens += n_path - 1
                 stats.accept_lengths.append(n_path - 1)
-                out.add(r, emitted_host[r][:n_emit])
+                out.add(r, host[r][4: 4 + n_emit])
                 pre = len(run[r]) == 0
                 if use_window[r] and not nxt:  # every draft accepted, the window's first token too
                     new_pending[r], new_q[r] = _window_tail(win, r, 1, depth[r])
