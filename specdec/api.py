@@ -15,6 +15,7 @@ from specdec.hub import DEFAULT_MODEL, DRAFTS, cache_dir, load_model, tables_cac
 from specdec.model import ModelRunner
 from specdec.ngram_corpus import NGramCorpus, shipped_corpus, vocab_fingerprint
 from specdec.ngram_tables import NGramTables, load_tables
+from specdec.prompts import encode_prompt
 from specdec.policies import StepCost
 from specdec.verify import SamplingConfig
 from specdec.warmup import BackgroundCompile, compile_mode, use_persistent_cache
@@ -243,15 +244,7 @@ class SpecDecoder:
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of ``prompt``, through the chat template when ``chat`` and the tokenizer has one."""
-        if self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer")
-        if not prompt:
-            raise ValueError("empty prompt")
-        if chat and self.tokenizer.chat_template:
-            enc = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                     return_dict=True)
-            return list(enc["input_ids"])
-        return self.tokenizer(prompt)["input_ids"]
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate_ids(self, prompts: list[list[int]], method: str = "pld", max_new_tokens: int = 128,
                      sampling: SamplingConfig = SamplingConfig(), *, max_memory: int | str | None = None,

@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate``, ``bench``, ``distill``, ``train-disco`` and ``ngram-corpus``."""
+"""Command line: ``specdec generate``, ``bench``, ``corpus``, ``distill``, ``train-disco`` and ``ngram-corpus``."""
 from __future__ import annotations
 
 import argparse
@@ -141,39 +141,79 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _corpus_args(c: argparse.ArgumentParser) -> None:
+    a = c.add_argument
+    a("--target", default=DEFAULT_MODEL, help="target model (name or folder): an instruct model for --magpie")
+    a("--out", required=True, help="corpus folder; created, or extended when it exists (same target and dtype)")
+    a("--gen-dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="target dtype for generation")
+    a("--device", default="cpu", help="cpu (default) or cuda")
+    a("--magpie", type=int, default=0, metavar="N", help="grow the corpus to N filtered user turns written by the "
+      "target itself (Magpie), and reply to them")
+    a("--magpie-batch", type=int, default=256, help="candidate user turns per shard")
+    a("--magpie-tokens", type=int, default=128, help="longest user turn; longer ones are dropped as unfinished")
+    a("--magpie-temperature", type=float, default=1.0)
+    a("--magpie-top-p", type=float, default=1.0)
+    a("--magpie-samples", type=int, default=0, help="sampled replies per user turn, besides the greedy one")
+    a("--prompts", action="append", default=[], help="prompt file (JSON lines) to reply to; repeatable")
+    a("--samples", type=int, default=1, help="sampled replies per --prompts prompt, besides the greedy one")
+    a("--temperature", type=float, default=0.8, help="temperature of the sampled replies")
+    a("--exclude", action="append", default=[], help="evaluation prompts (JSON lines): user turns sharing a word "
+      "8-gram with them are dropped, and --prompts entries equal to them are skipped; repeatable")
+    a("--gen-tokens", type=int, default=192, help="new tokens per reply")
+    a("--batch-size", type=int, default=32, help="generation batch size")
+    a("--max-prompt", type=int, default=1024, help="prompt tokens kept for generation (the last N)")
+    a("--shard-prompts", type=int, default=1024, help="prompts per reply shard of a --prompts file")
+    a("--minutes", type=float, default=None, help="stop after this long, with whole shards (rerun to resume)")
+    a("--threads", type=int, default=None)
+    a("--seed", type=int, default=0)
+
+
+def cmd_corpus(args) -> int:
+    from specdec.distill.corpus_command import run_corpus
+
+    print(json.dumps(run_corpus(args), indent=1))
+    return 0
+
+
 def _distill_args(d: argparse.ArgumentParser) -> None:
     a = d.add_argument
     a("--target", default=DEFAULT_MODEL, help="target model (name or folder); Llama architecture")
-    a("--prompts", required=True, help="training prompts, JSON lines with id, category, chat, prompt")
+    a("--corpus", action="append", default=[], help="corpus folder made by `specdec corpus`; repeatable")
+    a("--prompts", default=None, help="training prompts (JSON lines): their replies are added to the (first) "
+      "corpus first, WORK/corpus when none is given")
     a("--out", required=True, help="folder for the trained draft (loadable with --draft OUT)")
-    a("--work", default="distill_work", help="generated data and checkpoints (resumable)")
+    a("--work", default="distill_work", help="checkpoints and log (resumable)")
     a("--limit", type=int, default=None, help="use the first N prompts only")
-    a("--gen-dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="target dtype for data generation")
-    a("--gen-tokens", type=int, default=128, help="new tokens per generation")
-    a("--samples", type=int, default=1, help="sampled generations per prompt, besides the greedy one")
-    a("--no-teacher-forcing", dest="teacher_forcing", action="store_false",
-      help="skip the pass over the prompts' own tokens (target log-probs without decoding)")
-    a("--temperature", type=float, default=0.8, help="temperature of the sampled generations")
+    a("--gen-dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="target dtype for --prompts replies")
+    a("--gen-tokens", type=int, default=128, help="new tokens per --prompts reply")
+    a("--samples", type=int, default=1, help="sampled --prompts replies per prompt, besides the greedy one")
+    a("--temperature", type=float, default=0.8, help="temperature of the sampled replies")
     a("--batch-size", type=int, default=16, help="generation batch size")
-    a("--top-k", type=int, default=16, help="target log-probs kept per position")
     a("--max-prompt", type=int, default=1024, help="prompt tokens kept for generation (the last N)")
-    a("--gen-minutes", type=float, default=None, help="stop generating after this long (train on what exists)")
     a("--arch", default="layers", choices=["layers", "eagle"],
-      help="layers: a small LM from a few target layers, drafting from tokens alone; eagle: one layer that "
-           "also reads the target's last hidden state (needs specdec's sd, not hf-assisted)")
+      help="layers: a small LM from a few target layers, drafting from tokens alone; eagle: decoder layers that "
+           "also read the target's last hidden state (needs specdec's sd, not hf-assisted)")
     a("--layers", default=None, help="target layers copied into the draft, in order (default 0,29; eagle: 29)")
     a("--unroll", type=int, default=1, help="eagle: training passes that read the draft's own states (1 or 2)")
-    a("--draft-vocab", type=int, default=6144, help="draft vocabulary size (most frequent generated tokens)")
-    a("--max-context", type=int, default=256, help="prompt tokens kept before the generation when training")
+    a("--labels", default="full", help="soft labels: full (the target's distribution over the draft vocabulary), "
+      "topk:K (its K most likely tokens, renormalised) or hard (its argmax)")
+    a("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent reply tokens)")
+    a("--max-context", type=int, default=256, help="prompt tokens kept before the reply when training")
+    a("--max-positions", type=int, default=None, help="train on a seeded subset of about N reply tokens "
+      "(data-size curves)")
     a("--max-tokens", type=int, default=4096, help="padded tokens per training batch")
     a("--steps", type=int, default=3000, help="training steps (cosine schedule length)")
     a("--train-minutes", type=float, default=None, help="stop training after this long (schedule follows it)")
     a("--lr", type=float, default=5e-4)
-    a("--held-out", type=float, default=0.03, help="share of prompts held out for the acceptance proxy")
+    a("--held-out", type=float, default=0.03, help="share of every category's prompts held out")
+    a("--eval-every", type=int, default=200, help="held-out agreement every N steps (0: only at the end)")
+    a("--eval-positions", type=int, default=20000, help="held-out reply tokens measured during training "
+      "(the final measurement uses all)")
+    a("--patience", type=int, default=3, help="stop after N measurements without a gain (0: never)")
     a("--no-autocast", dest="autocast", action="store_false", help="train in fp32 (default: bf16 autocast)")
     a("--save-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     a("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    a("--device", default="cpu", help="where the target generates and the draft trains: cpu (default) or cuda")
+    a("--device", default="cpu", help="where the teacher runs and the draft trains: cpu (default) or cuda")
     a("--seed", type=int, default=0)
     a("--resume", action="store_true", help="continue training from WORK/ckpt.pt")
 
@@ -266,7 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", required=True, help="file to write (specdec/data/ngram_corpus/NAME.pt ships it)")
     c.set_defaults(func=cmd_ngram_corpus)
 
-    d = sub.add_parser("distill", help="train a small draft model from the target's own generations")
+    k = sub.add_parser("corpus", help="grow a distillation corpus: user turns the target writes itself (Magpie) "
+                       "and its replies, in resumable uint16 token shards")
+    _corpus_args(k)
+    k.set_defaults(func=cmd_corpus)
+
+    d = sub.add_parser("distill", help="train a small draft model on a corpus of the target's own replies")
     _distill_args(d)
     d.set_defaults(func=cmd_distill)
 

@@ -6,6 +6,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
+    """Token ids of ``prompt``, through the chat template when ``chat`` and the tokenizer has one."""
+    if tokenizer is None:
+        raise ValueError("text prompts need a tokenizer")
+    if not prompt:
+        raise ValueError("empty prompt")
+    if chat and tokenizer.chat_template:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_dict=True)
+        return list(enc["input_ids"])
+    return tokenizer(prompt)["input_ids"]
+
+
+class TokenizerEncoder:
+    """``encode(prompt, chat)`` over a bare tokenizer, for :func:`read_prompts` without a decoder."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, chat)
+
+
 @dataclass
 class Prompt:
     id: str

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -103,24 +104,49 @@ def _tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0", eos_token="t1")
 
 
-def test_distill_end_to_end_on_a_tiny_target(tmp_path):
+def _tiny_target(tmp_path, chat: bool = False):
     target = tiny_model("llama", VOCAB, 0, 0.3)
-    tdir, out, work = tmp_path / "target", tmp_path / "draft", tmp_path / "work"
+    tdir = tmp_path / "target"
     target.save_pretrained(tdir)
-    _tiny_tokenizer().save_pretrained(tdir)
-    g = torch.Generator().manual_seed(0)
+    tok = _tiny_tokenizer()
+    if chat:  # a template whose user text starts after "t2 t3" and ends with EOS (t1)
+        tok.chat_template = ("{% for m in messages %}t2 t3 {{ m['content'] }} t1 {% endfor %}"
+                             "{% if add_generation_prompt %}t4 {% endif %}")
+    tok.save_pretrained(tdir)
+    return target, tdir
+
+
+def _prompt_file(tmp_path, n: int = 12, name: str = "p.jsonl", seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     rows = [{"id": f"p{i}", "category": "c" + str(i % 2), "chat": False,
              "prompt": " ".join(f"t{int(t)}" for t in torch.randint(2, VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),),
-                                                                      generator=g))} for i in range(12)]
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = ["distill", "--target", str(tdir), "--prompts", str(prompts), "--out", str(out), "--work", str(work),
-            "--gen-dtype", "fp32", "--gen-tokens", "12", "--batch-size", "4", "--top-k", "4", "--layers", "1",
-            "--draft-vocab", "40", "--max-tokens", "64", "--held-out", "0.2", "--seed", "0"]
+                                                                      generator=g))} for i in range(n)]
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("arch", ["layers", "eagle"])
+def test_distill_end_to_end_on_a_tiny_target(tmp_path, arch):
+    from specdec.distill.corpus import Corpus
+
+    target, tdir = _tiny_target(tmp_path)
+    out, work, corpus = tmp_path / "draft", tmp_path / "work", tmp_path / "corpus"
+    prompts = _prompt_file(tmp_path)
+    assert cli_main(["corpus", "--target", str(tdir), "--out", str(corpus), "--prompts", str(prompts),
+                     "--samples", "1", "--gen-dtype", "fp32", "--gen-tokens", "12", "--batch-size", "4",
+                     "--shard-prompts", "5"]) == 0
+    c = Corpus.load(corpus)
+    names = [s["name"] for s in c.shards("reply")]
+    assert len(names) == 6 and {n.rsplit("-", 1)[1].split("_")[0] for n in names} == {"greedy", "sample0"}
+    assert c.manifest["token_dtype"] == "uint16" and c.reply_tokens() > 0
+    args = ["distill", "--target", str(tdir), "--corpus", str(corpus), "--out", str(out), "--work", str(work),
+            "--arch", arch, "--layers", "1", "--draft-vocab", "40", "--max-tokens", "64", "--held-out", "0.2",
+            "--eval-every", "3", "--seed", "0", "--no-autocast"]
     assert cli_main(args + ["--steps", "6"]) == 0
     summary = json.loads((out / "distill_summary.json").read_text())
-    assert summary["steps"] == 6 and summary["positions"]["greedy"] > 0 and "held_out" in summary
-    assert sorted(p.name.split("_")[0] for p in (work / "data").glob("*.pt")) == ["greedy"] * 3 + ["prompt"] * 3 + ["sample0"] * 3
+    assert summary["steps"] == 6 and summary["positions"]["train"] > 0 and summary["held_out_prompts"] == 2
+    assert [e["step"] for e in summary["evals"]] == [3, 6] and set(summary["held_out"]["per_category"]) == {"c0", "c1"}
     draft, tok = load_model(str(out))
     assert isinstance(draft, SpecdecDraftForCausalLM) and draft.draft_vocab.numel() == 40
     assert tok.get_vocab() == _tiny_tokenizer().get_vocab()
@@ -130,6 +156,138 @@ def test_distill_end_to_end_on_a_tiny_target(tmp_path):
     dec = SpecDecoder(target, draft=draft)
     p = [5, 6, 7, 8]
     assert dec.generate_ids([p], "sd", 16).tokens[0] == hf_generate(target, p, 16, SamplingConfig())
+
+
+def test_corpus_shards_round_trip_and_store_uint16(tmp_path):
+    from specdec.distill.corpus import Corpus, Record
+
+    fp = {"vocab_size": 50000, "tokenizer": "x", "config_sha": "y"}
+    c = Corpus.open(tmp_path / "c", "t", fp, "bf16")
+    recs = [Record("a", "qa", np.array([1, 49999, 7, 8]), 2), Record("b", "code", np.array([3, 4, 5]), 1)]
+    c.write("s_0000", recs, "reply", sampling={"temperature": 0.0})
+    back = Corpus.load(tmp_path / "c").read("s_0000")
+    assert [(r.id, r.category, r.ids.tolist(), r.prompt_len) for r in back] == \
+        [(r.id, r.category, r.ids.tolist(), r.prompt_len) for r in recs]
+    with np.load(tmp_path / "c" / "s_0000.npz") as z:
+        assert z["tokens"].dtype == np.uint16
+    with pytest.raises(ValueError, match="already has"):
+        c.write("s_0000", recs, "reply")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        c.write("s_0001", [Record("c", "qa", np.array([50000]), 1)], "reply")
+    big = Corpus.open(tmp_path / "g", "t", {**fp, "vocab_size": 262144}, "bf16")
+    assert big.manifest["token_dtype"] == "uint32"
+
+
+@pytest.mark.parametrize("change", ["target", "gen_dtype", "vocab_size", "tokenizer"])
+def test_corpus_refuses_mixed_shards(tmp_path, change):
+    from specdec.distill.corpus import Corpus, CorpusMismatch
+
+    fp = {"vocab_size": 100, "tokenizer": "x", "config_sha": "y"}
+    Corpus.open(tmp_path, "t", fp, "bf16")
+    kw = {"target": "t", "fingerprint": dict(fp), "gen_dtype": "bf16"}
+    if change in fp:
+        kw["fingerprint"][change] = 7 if change == "vocab_size" else "other"
+    else:
+        kw[change] = "other"
+    with pytest.raises(CorpusMismatch, match=change):
+        Corpus.open(tmp_path, kw["target"], kw["fingerprint"], kw["gen_dtype"])
+
+
+def test_distill_refuses_a_corpus_of_another_target(tmp_path, capsys):
+    from specdec.distill.corpus import Corpus
+
+    _, tdir = _tiny_target(tmp_path)
+    Corpus.open(tmp_path / "c", "other", {"vocab_size": 50, "tokenizer": "x", "config_sha": "y"}, "fp32")
+    assert cli_main(["distill", "--target", str(tdir), "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
+                     "--work", str(tmp_path / "w")]) != 0
+    assert "was made by another target or vocabulary" in capsys.readouterr().err
+    assert cli_main(["corpus", "--target", str(tdir), "--out", str(tmp_path / "c"), "--prompts",
+                     str(_prompt_file(tmp_path)), "--gen-dtype", "fp32"]) != 0
+    assert "holds shards of another target or dtype" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and Corpus.load(tmp_path / "c").manifest["shards"] == []
+
+
+def test_reply_shards_resume_to_the_same_corpus(tmp_path):
+    """An interrupted run (here: one shard deleted from a finished corpus, as if it had not been
+    reached) resumes to the shards an uninterrupted run wrote, sampled ones included."""
+    from specdec.distill.corpus import Corpus
+
+    _, tdir = _tiny_target(tmp_path)
+    prompts = _prompt_file(tmp_path)
+    cmd = ["corpus", "--target", str(tdir), "--prompts", str(prompts), "--samples", "1", "--gen-dtype", "fp32",
+           "--gen-tokens", "10", "--batch-size", "3", "--shard-prompts", "4"]
+    assert cli_main(cmd + ["--out", str(tmp_path / "a")]) == 0
+    full = Corpus.load(tmp_path / "a")
+    assert cli_main(cmd + ["--out", str(tmp_path / "b"), "--minutes", "0"]) == 0   # budget spent at once
+    assert Corpus.load(tmp_path / "b").manifest["shards"] == []
+    assert cli_main(cmd + ["--out", str(tmp_path / "b")]) == 0
+    partial = Corpus.load(tmp_path / "b")
+    drop = partial.manifest["shards"].pop(2)
+    partial._save_manifest()
+    (tmp_path / "b" / f"{drop['name']}.npz").unlink()
+    assert cli_main(cmd + ["--out", str(tmp_path / "b")]) == 0
+    resumed = Corpus.load(tmp_path / "b")
+    assert sorted(s["name"] for s in resumed.manifest["shards"]) == sorted(s["name"] for s in full.manifest["shards"])
+    for s in full.manifest["shards"]:
+        assert [r.ids.tolist() for r in resumed.read(s["name"])] == [r.ids.tolist() for r in full.read(s["name"])]
+
+
+def test_magpie_user_turns_filtered_resumed_and_answered(tmp_path, monkeypatch):
+    """The Magpie stage on a tiny chat target: the user prefix comes from the template, and canned
+    user turns (the random target writes no English) pass through every filter, shard by shard."""
+    from specdec.distill import magpie
+    from specdec.distill.corpus import Corpus
+
+    _, tdir = _tiny_target(tmp_path, chat=True)
+    _, tok = load_model(str(tdir))
+    assert magpie.user_prefix(tok) == [2, 3]
+    texts = iter(["t5 t6 t7 t8", "t5 t6 t7 t8", "t9 t30 t31", "t41 t42 t43", "t44 t45 t46", "t47 t48 t49",
+                  "t50 t51 t52", "t53 t54 t55", "t56 t57 t58"])
+    seen_prefixes = []
+
+    def fake_generate(model, prompts, max_new, pad, eos, temperature, top_p):
+        seen_prefixes.extend(prompts)
+        rows = []
+        for _ in prompts:
+            ids = [int(w[1:]) for w in next(texts).split()]
+            rows.append((ids + [1], True))
+        return rows
+
+    monkeypatch.setattr(magpie, "generate", fake_generate)
+    monkeypatch.setattr(magpie, "_ENGLISH", frozenset({"t5", "t41", "t44", "t47", "t50", "t53", "t56"}))
+    monkeypatch.setattr(magpie, "words", lambda text: text.split())
+    corpus = Corpus.open(tmp_path / "c", "tiny", {"vocab_size": VOCAB, "tokenizer": "x", "config_sha": "y"}, "fp32")
+    common = dict(batch_size=3, max_tokens=8, eos={1}, pad_id=0, dev_texts=["t53 t54 t55 t99"])
+    magpie.make_user_turns(None, tok, corpus, 3, **common)
+    # shard 0: kept t5.., dropped the duplicate and the non-English t9..; shard 1: kept all three
+    assert [s["records"] for s in corpus.shards("user")] == [1, 3]
+    assert corpus.shards("user")[0]["dropped"] == {"unfinished": 0, "length": 0, "language": 1, "duplicate": 1,
+                                                   "dev_overlap": 0}
+    assert all(p == [2, 3] for p in seen_prefixes)
+    magpie.make_user_turns(None, tok, corpus, 5, **common)   # resumes: the duplicate filter remembers shards 0-1
+    assert [s["records"] for s in corpus.shards("user")] == [1, 3, 2]   # t53.. overlaps the dev prompt
+    assert corpus.shards("user")[2]["dropped"]["dev_overlap"] == 1
+    turns = [tok.decode(r.ids.tolist()) for r in corpus.records("user")]
+    assert turns == ["t5 t6 t7 t8", "t41 t42 t43", "t44 t45 t46", "t47 t48 t49", "t50 t51 t52", "t56 t57 t58"]
+    assert [r.category for r in corpus.records("user")] == ["other"] * 6
+
+
+def test_prompt_filter_and_category_guess():
+    from specdec.distill.magpie import PromptFilter, guess_category
+
+    f = PromptFilter(["Please summarize the following article about the history of the Roman empire in detail"])
+    assert f.check("What is the capital of France?", True)
+    assert not f.check("what is the capital of  france", True)                    # duplicate after normalising
+    assert not f.check("Can you write a story", False)                            # unfinished
+    assert not f.check("Hi", True)                                                # too short
+    assert not f.check("Это очень хороший вопрос о погоде", True)                 # not English
+    assert not f.check("Could you summarize the following article about the history of the Roman empire", True)
+    assert f.dropped == {"unfinished": 1, "length": 1, "language": 1, "duplicate": 1, "dev_overlap": 1}
+    assert guess_category("Translate 'good morning' into French.") == "translation"
+    assert guess_category("Write a Python function that reverses a list.") == "code"
+    assert guess_category("Solve the equation 3x + 4 = 10.") == "math"
+    assert guess_category("Write a short poem about autumn.") == "writing"
+    assert guess_category("Who painted the Mona Lisa?") == "qa"
 
 
 SHIPPED_PROMPTS = [

@@ -1,141 +1,126 @@
-"""Training data: the target's own batched generations on the training prompts, with its top-k
-log-probabilities at every generated position (KL targets stored once instead of recomputed).
+"""Making the corpus: the target's replies to prompts, in resumable shards (:mod:`~specdec.distill.corpus`).
 
-A first pass runs the target once over the prompts themselves (teacher forcing: no decoding,
-so many positions per second). Generation is transformers' ``generate`` over left-padded batches; a logits processor placed before
-any sampling warper records the top-k of the target's raw log-softmax at each step. Each batch is
-written as one shard (``{pass}_{index:04d}.pt``) under the work folder, so an interrupted run
-resumes where it stopped. Prompts are shuffled with the seed and then length-sorted within groups,
-so every prefix of the shards covers all categories while batches stay similar in length.
+Generation is transformers' ``generate`` over left-padded batches. Every shard is named after its
+source and pass (``user_0003-greedy_0000``, ``train-1a2b3c4d-sample1_0002``), so a rerun skips what exists
+and one that asks for more passes or more prompts adds only the new shards. Sampled passes seed the
+generator from the shard's name, so a resumed corpus is the one an uninterrupted run would have made.
 """
 from __future__ import annotations
 
+import hashlib
 import random
 import time
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import LogitsProcessor, LogitsProcessorList
+
+from specdec.distill.corpus import Corpus, Record
+from specdec.prompts import Prompt, encode_prompt
 
 
-class _TopKRecorder(LogitsProcessor):
-    """Records ``(log-probs [B,K] fp16, ids [B,K] int32)`` of the raw scores at each step."""
+@dataclass(frozen=True)
+class Pass:
+    name: str              # greedy, sample0, ...
+    temperature: float     # 0 = greedy
+    top_p: float = 1.0
 
-    def __init__(self, k: int):
-        self.k = k
-        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, input_ids, scores):
-        lp = scores.float().log_softmax(-1)
-        v, i = lp.topk(self.k, dim=-1)
-        self.steps.append((v.half(), i.int()))
-        return scores
+    @property
+    def sampling(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p}
 
 
-def batches(prompts: list, batch_size: int, seed: int, group: int = 8) -> list[list]:
-    """Shuffled, then length-sorted within groups of ``group`` batches."""
-    order = list(prompts)
-    random.Random(seed).shuffle(order)
-    out = []
-    span = batch_size * group
-    for g in range(0, len(order), span):
-        chunk = sorted(order[g:g + span], key=lambda p: len(p.ids))
-        out += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-    return out
+def reply_passes(samples: int, temperature: float) -> list[Pass]:
+    """The greedy reply and ``samples`` sampled ones at ``temperature``."""
+    if samples < 0 or (samples and temperature <= 0):
+        raise ValueError(f"samples must be >= 0 with a positive temperature, got {samples} at {temperature}")
+    return [Pass("greedy", 0.0)] + [Pass(f"sample{i}", temperature) for i in range(samples)]
+
+
+def name_seed(name: str, seed: int) -> int:
+    return zlib.crc32(name.encode()) * 1000003 + seed
 
 
 @torch.inference_mode()
-def generate_batch(model, prompts: list, max_new_tokens: int, top_k: int, pad_id: int, eos: set[int],
-                   temperature: float = 0.0, max_prompt: int | None = None) -> list[dict]:
-    """One left-padded batch through ``model.generate``; returns one record per prompt."""
-    ids = [p.ids[-max_prompt:] if max_prompt else p.ids for p in prompts]
-    b, width = len(ids), max(len(p) for p in ids)
+def generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos: set[int],
+             temperature: float = 0.0, top_p: float = 1.0) -> list[tuple[list[int], bool]]:
+    """One left-padded batch through ``model.generate``: per prompt, the new ids up to and including
+    the first EOS, and whether an EOS ended it."""
+    b, width = len(prompts), max(len(p) for p in prompts)
     x = torch.full((b, width), pad_id, dtype=torch.int64)
     mask = torch.zeros(b, width, dtype=torch.int64)
-    for r, p in enumerate(ids):
+    for r, p in enumerate(prompts):
         x[r, width - len(p):] = torch.tensor(p)
         mask[r, width - len(p):] = 1
-    rec = _TopKRecorder(top_k)
     gen = dict(do_sample=False, temperature=None, top_p=None, top_k=None) if temperature == 0 else \
-        dict(do_sample=True, temperature=temperature, top_p=None, top_k=0)
+        dict(do_sample=True, temperature=temperature, top_p=top_p if top_p < 1 else None, top_k=0)
     out = model.generate(x.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad_id, logits_processor=LogitsProcessorList([rec]), **gen)
-    new = out[:, width:].cpu()
-    lps = torch.stack([s[0] for s in rec.steps], 1).cpu()   # [B,G,K]
-    idx = torch.stack([s[1] for s in rec.steps], 1).cpu()
+                         pad_token_id=pad_id, eos_token_id=sorted(eos) or None, **gen)
+    rows = []
+    for toks in out[:, width:].cpu().tolist():
+        end = next((j for j, t in enumerate(toks) if t in eos), None)
+        rows.append((toks[: end + 1], True) if end is not None else (toks, False))
+    return rows
+
+
+def _by_length(prompts: list[Prompt], batch_size: int) -> list[list[Prompt]]:
+    order = sorted(prompts, key=lambda p: len(p.ids))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def reply_shard(model, prompts: list[Prompt], p: Pass, max_new_tokens: int, batch_size: int, pad_id: int,
+                eos: set[int], max_prompt: int | None) -> list[Record]:
+    """The target's replies to ``prompts`` under pass ``p`` (the caller seeds sampling)."""
     records = []
-    for r, p in enumerate(prompts):
-        toks = new[r].tolist()
-        n = len(toks)
-        for j, t in enumerate(toks):
-            if t in eos:
-                n = j + 1
-                break
-        records.append({"id": p.id, "category": p.category, "prompt_len": len(ids[r]),
-                        "ids": torch.tensor(ids[r] + toks[:n], dtype=torch.int32),
-                        "topk_lp": lps[r, :n].clone(), "topk_idx": idx[r, :n].clone()})
+    for batch in _by_length(prompts, batch_size):
+        ids = [q.ids[-max_prompt:] if max_prompt else q.ids for q in batch]
+        for q, pid, (new, _) in zip(batch, ids, generate(model, ids, max_new_tokens, pad_id, eos, p.temperature, p.top_p)):
+            records.append(Record(q.id, q.category, torch.tensor(pid + new).numpy(), len(pid)))
     return records
 
 
-@torch.inference_mode()
-def teacher_force_batch(model, prompts: list, top_k: int, max_len: int) -> list[dict]:
-    """The target's top-k log-probs at every position of the prompts themselves (one batched forward,
-    right padding, no decoding): ``prompt_len`` 1, so position ``j`` predicts token ``j + 1``."""
-    ids = [p.ids[:max_len] for p in prompts]
-    b, width = len(ids), max(len(p) for p in ids)
-    x = torch.zeros(b, width, dtype=torch.int64)
-    for r, p in enumerate(ids):
-        x[r, : len(p)] = torch.tensor(p)
-    hidden = model.model(input_ids=x.to(model.device), use_cache=False).last_hidden_state  # causal: padding is never seen
-    head = model.get_output_embeddings()
-    records = []
-    for r, p in enumerate(prompts):
-        n = len(ids[r])
-        lp = head(hidden[r, : n - 1]).float().log_softmax(-1)
-        v, i = lp.topk(top_k, dim=-1)
-        records.append({"id": p.id, "category": p.category, "prompt_len": 1, "ids": torch.tensor(ids[r], dtype=torch.int32),
-                        "topk_lp": v.half().cpu(), "topk_idx": i.int().cpu()})
-    return records
+def file_tag(path: str | Path) -> str:
+    """A shard-name tag for a prompt file: its stem and a digest of its bytes (another file, another tag)."""
+    path = Path(path)
+    return f"{path.stem.replace('_', '-')}-{hashlib.sha256(path.read_bytes()).hexdigest()[:8]}"
 
 
-def generate_data(model, prompts: list, work: Path, passes: list[tuple[str, float]], max_new_tokens: int,
-                  batch_size: int, top_k: int, seed: int, eos: set[int], pad_id: int,
-                  max_prompt: int | None = None, deadline: float | None = None, progress: bool = True) -> list[Path]:
-    """Write the shards of every pass (``(name, temperature)``; 0 = greedy, None = teacher forcing on
-    the prompts, see :func:`teacher_force_batch`) under ``work``; existing
-    shards are kept (resume). Stops early (with the shards so far) at the ``deadline`` (time.time())."""
-    work.mkdir(parents=True, exist_ok=True)
-    plan = [(name, temp, i, chunk) for p_i, (name, temp) in enumerate(passes)
-            for i, chunk in enumerate(batches(prompts, batch_size, seed + p_i))]
-    done = [work / f"{name}_{i:04d}.pt" for name, _, i, _ in plan if (work / f"{name}_{i:04d}.pt").exists()]
-    todo = [item for item in plan if not (work / f"{item[0]}_{item[2]:04d}.pt").exists()]
-    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="generate", unit="batch", disable=not progress)
-    tokens, t0 = 0, time.perf_counter()
-    for n, (name, temp, i, chunk) in enumerate(todo):
+def user_turn_prompts(corpus: Corpus, tokenizer, shard: str) -> list[Prompt]:
+    """The user turns of a ``user`` shard as chat prompts for the target to answer."""
+    return [Prompt(r.id, r.category, encode_prompt(tokenizer, tokenizer.decode(r.ids.tolist()), chat=True))
+            for r in corpus.read(shard)]
+
+
+def make_replies(model, corpus: Corpus, sources: list[tuple[str, list[Prompt]]], passes: list[Pass],
+                 max_new_tokens: int, batch_size: int, pad_id: int, eos: set[int], seed: int = 0,
+                 max_prompt: int | None = 1024, shard_prompts: int = 1024, deadline: float | None = None,
+                 info: dict | None = None, progress: bool = True) -> list[str]:
+    """Write the reply shards of every ``(tag, prompts)`` source and pass that the corpus lacks:
+    ``{tag}-{pass}_{i:04d}`` for the ``i``-th chunk of ``shard_prompts`` prompts (in a seeded order).
+    Stops at ``deadline`` (``time.time()``) with whole shards. Returns the names written."""
+    plan = []
+    for tag, prompts in sources:
+        order = list(prompts)
+        random.Random(seed).shuffle(order)
+        chunks = [order[i:i + shard_prompts] for i in range(0, len(order), shard_prompts)]
+        plan += [(f"{tag}-{p.name}_{i:04d}", p, c) for p in passes for i, c in enumerate(chunks)]
+    todo = [item for item in plan if not corpus.has(item[0])]
+    written = []
+    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="replies", unit="shard", disable=not progress)
+    for name, p, chunk in todo:
         if deadline is not None and time.time() > deadline:
-            bar.write(f"generation budget reached after {len(done)} of {len(plan)} batches")
+            bar.write(f"time budget reached: {len(plan) - len(todo) + len(written)} of {len(plan)} reply shards exist")
             break
-        if temp:
-            torch.manual_seed(seed * 100003 + i + 7 * n)
-        if temp is None:
-            records = teacher_force_batch(model, chunk, top_k, max_prompt or 1024)
-        else:
-            records = generate_batch(model, chunk, max_new_tokens, top_k, pad_id, eos, temp, max_prompt)
-        path = work / f"{name}_{i:04d}.pt"
-        tmp = path.with_suffix(".tmp")
-        torch.save(records, tmp)
-        tmp.rename(path)
-        done.append(path)
-        tokens += sum(len(r["topk_idx"]) for r in records)
-        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        t0 = time.perf_counter()
+        torch.manual_seed(name_seed(name, seed))
+        records = reply_shard(model, chunk, p, max_new_tokens, batch_size, pad_id, eos, max_prompt)
+        dt = time.perf_counter() - t0
+        entry = corpus.write(name, records, "reply", sampling=p.sampling, max_new_tokens=max_new_tokens,
+                             seconds=round(dt, 1), **(info or {}))
+        written.append(name)
+        bar.set_postfix(tok_s=f"{entry['reply_tokens'] / dt:.0f}")
         bar.update()
     bar.close()
-    return sorted(done)
-
-
-def load_records(paths: list[Path]) -> list[dict]:
-    out = []
-    for p in paths:
-        out += torch.load(p, weights_only=True)
-    return out
+    return written

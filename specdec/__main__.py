@@ -1,0 +1,4 @@
+"""``python -m specdec``: the ``specdec`` command."""
+from specdec.cli import main
+
+raise SystemExit(main())

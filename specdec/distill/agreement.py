@@ -1,0 +1,70 @@
+"""Chain agreement of drafts with their target on a corpus of the target's greedy replies, per category.
+
+    python -m specdec.distill.agreement --drafts smollm2-draft,smollm2-eagle \\
+        --replies bench/dev_replies/smollm2-bf16 --json OUT.json
+
+``depth1`` is the rate at which the draft's first token equals the target's next greedy token (the
+per-token acceptance of one-token ``sd``); ``depth2`` the rate of the second chain token given the
+first (see :func:`specdec.distill.teacher.agreement`). Teacher-forced, so it measures the draft
+alone, without decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from specdec.distill.corpus import Corpus, CorpusMismatch, target_fingerprint
+from specdec.distill.teacher import Teacher, agreement, make_examples
+
+
+def measure(drafts: list[str], replies: str, target: str = "smollm2", device: str = "cpu",
+            max_context: int = 1024, max_tokens: int = 8192) -> dict:
+    """``{draft: agreement dict}`` on the greedy reply shards of the corpus ``replies``."""
+    from specdec.hub import load_model
+
+    tgt, tok = load_model(target, "fp32", device)
+    corpus = Corpus.load(replies)
+    if corpus.manifest["fingerprint"] != target_fingerprint(tgt, tok):
+        raise CorpusMismatch(f"the replies in {replies} were made by {corpus.manifest['target']}, not {target}")
+    greedy = [r for s in corpus.shards("reply") if s["sampling"]["temperature"] == 0 for r in corpus.read(s["name"])]
+    if not greedy:
+        raise ValueError(f"no greedy reply shards in {replies}")
+    examples = make_examples(greedy, max_context, True)
+    teacher = Teacher(tgt)
+    out = {}
+    for name in drafts:
+        draft, _ = load_model(name, "fp32", device)
+        if not hasattr(draft, "draft_vocab"):
+            raise ValueError(f"{name} is not a distilled specdec draft (no draft vocabulary)")
+        with torch.inference_mode():
+            out[name] = agreement(draft, teacher, examples, max_tokens)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specdec.distill.agreement")
+    ap.add_argument("--drafts", required=True, help="comma list of draft names or folders")
+    ap.add_argument("--replies", required=True, help="corpus of the target's greedy replies (specdec corpus)")
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = measure(args.drafts.split(","), args.replies, args.target, args.device)
+    cats = sorted({c for r in res.values() for c in r["per_category"]})
+    print(f"{'draft':<40} {'all':>11} " + " ".join(f"{c[:11]:>11}" for c in cats))
+    for name, r in res.items():
+        print(f"{name[-40:]:<40} {r['depth1']:.3f}/{r['depth2']:.3f} " +
+              " ".join(f"{r['per_category'][c]['depth1']:.3f}/{r['per_category'][c]['depth2']:.3f}" for c in cats))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "results": res}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
