@@ -202,6 +202,8 @@ def _distill_args(d: argparse.ArgumentParser) -> None:
     a("--max-positions", type=int, default=None, help="train on a seeded subset of about N reply tokens "
       "(data-size curves)")
     a("--max-tokens", type=int, default=4096, help="padded tokens per training batch")
+    a("--feature-cache", default=None, metavar="DIR", help="compute the target's hidden states over the training "
+      "examples once, into a memory-mapped file here (outside the repository), instead of at every step")
     a("--steps", type=int, default=3000, help="training steps (cosine schedule length)")
     a("--train-minutes", type=float, default=None, help="stop training after this long (schedule follows it)")
     a("--lr", type=float, default=5e-4)

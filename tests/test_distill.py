@@ -326,3 +326,35 @@ def test_sd_with_shipped_draft_is_lossless_on_embedded_model(prompt, name):
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True)["input_ids"]
     assert out.tokens == hf_generate(model, list(ids), 32, SamplingConfig())
     assert out.stats.drafted_tokens > 0
+
+
+def test_feature_cache_equals_the_online_teacher_and_is_reused(tmp_path):
+    from specdec.distill.corpus import Record
+    from specdec.distill.teacher import Teacher, collate, make_examples
+
+    target = tiny_model("llama", VOCAB, 0, 0.3)
+    g = torch.Generator().manual_seed(1)
+    recs = [Record(f"r{i}", "c", torch.randint(2, VOCAB, (int(n),), generator=g).numpy(), 3)
+            for i, n in enumerate(torch.randint(5, 20, (9,), generator=g))]
+    examples = make_examples(recs, 8, True)
+    teacher = Teacher(target)
+    ids, _, _ = collate(examples[:4], "cpu")
+    online = teacher.feats(ids)
+    teacher.cache_features(examples, tmp_path, max_tokens=40, progress=False)
+    assert all(e.offset >= 0 for e in examples)
+    cached = teacher.feats(ids, examples[:4])
+    for r, e in enumerate(examples[:4]):
+        torch.testing.assert_close(cached[r, : len(e.ids)], online[r, : len(e.ids)], atol=2e-2, rtol=2e-3)
+    # a second run over the same examples reads the file: its body is never called
+    fresh = make_examples(recs, 8, True)
+    class NoForward(torch.nn.Module):  # same dtype as the target's body, but must not run
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, **kw):
+            raise AssertionError("the cached features were recomputed")
+
+    again = Teacher(target, body=NoForward())
+    again.cache_features(fresh, tmp_path, max_tokens=40, progress=False)
+    torch.testing.assert_close(again.feats(ids, fresh[:4]), cached)

@@ -22,7 +22,7 @@ def layers_loss(draft, batch: list[Example], teacher: Teacher, autocast: bool = 
     """A token-only draft (:class:`~specdec.draft_models.reduced.SpecdecDraftForCausalLM`)."""
     dev = draft.draft_vocab.device
     ids, _, mask = collate(batch, dev)
-    p = teacher.labels(teacher.feats(ids)[mask], draft.draft_vocab)
+    p = teacher.labels(teacher.feats(ids, batch)[mask], draft.draft_vocab)
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
         hidden = draft.model(input_ids=draft.target_to_draft[ids], use_cache=False).last_hidden_state
         logits = draft.lm_head(hidden[mask])[:, : draft.draft_vocab_size]
@@ -38,7 +38,7 @@ def eagle_loss(draft, batch: list[Example], teacher: Teacher, autocast: bool = F
         raise ValueError(f"unroll must be >= 1, got {unroll}")
     dev = draft.draft_vocab.device
     ids, _, mask = collate(batch, dev)
-    feat = teacher.feats(ids)
+    feat = teacher.feats(ids, batch)
     p = teacher.labels(feat[mask], draft.draft_vocab)
     prev = F.pad(feat[:, :-1], (0, 0, 1, 0))
     total, agree = 0.0, 0.0

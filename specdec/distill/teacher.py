@@ -8,9 +8,13 @@ disk, so a larger corpus costs time, not space.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +28,7 @@ class Example:
     id: str             # the prompt's id (held-out splits are by prompt)
     category: str
     greedy: bool        # a greedy reply: its next tokens are the target's argmax
+    offset: int = -1    # its first row in a feature cache (-1: none, the teacher runs)
 
 
 def make_examples(records: list[Record], max_context: int, greedy: bool) -> list[Example]:
@@ -81,18 +86,28 @@ def parse_labels(spec: str) -> int | None:
 
 
 class Teacher:
-    """The frozen target: ``feats(ids) -> [B,T,H]`` last hidden states and ``labels(feat, vocab)
+    """The frozen target: ``feats(ids, batch) -> [B,T,H]`` last hidden states and ``labels(feat, vocab)
     -> [N,Vd]`` its next-token distribution over the draft vocabulary (renormalised; ``top_k`` keeps
-    only its K most likely entries, ``top_k=1`` is the hard label)."""
+    only its K most likely entries, ``top_k=1`` is the hard label).
 
-    def __init__(self, target, top_k: int | None = None, autocast: bool = False):
-        self.body = target.model
+    ``body`` may be a bf16 copy of the target's body (the features are then bf16-rounded, as when the
+    target serves in bf16); ``head`` stays fp32. With a feature cache (:meth:`cache_features`), the
+    examples that have rows in it are read instead of recomputed."""
+
+    def __init__(self, target, top_k: int | None = None, autocast: bool = False, body=None):
+        self.body = body if body is not None else target.model
         self.head = target.get_output_embeddings().weight.detach()
         self.top_k = top_k
         self.autocast = autocast
+        self.cache: np.ndarray | None = None
 
     @torch.no_grad()
-    def feats(self, ids: torch.Tensor) -> torch.Tensor:
+    def feats(self, ids: torch.Tensor, batch: list[Example] | None = None) -> torch.Tensor:
+        if self.cache is not None and batch and all(e.offset >= 0 for e in batch):
+            out = torch.zeros(*ids.shape, self.cache.shape[1])
+            for r, e in enumerate(batch):
+                out[r, : len(e.ids)] = torch.from_numpy(np.asarray(self.cache[e.offset: e.offset + len(e.ids)]))
+            return out.to(ids.device)
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return self.body(input_ids=ids, use_cache=False).last_hidden_state.float()
 
@@ -103,6 +118,59 @@ class Teacher:
             kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         return logits.softmax(-1)
+
+    @torch.no_grad()
+    def cache_features(self, examples: list[Example], folder: str | Path, max_tokens: int,
+                       progress: bool = True) -> None:
+        """One prefill pass over ``examples``: their hidden states (fp16, ``[sum L, H]``) in a memory-mapped
+        file under ``folder``, reused by every later epoch and by a later run over the same examples
+        (the file is keyed by their ids). Resumable: finished batches are recorded as it goes."""
+        from tqdm import tqdm
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        h = self.head.shape[1]
+        digest = hashlib.blake2b(digest_size=16)
+        for e in examples:
+            digest.update(e.ids.numpy().astype(np.int32).tobytes() + b"|")
+        key = f"{digest.hexdigest()}-{h}-{next(self.body.parameters()).dtype}"
+        offsets = np.cumsum([0] + [len(e.ids) for e in examples])
+        meta_path, data_path = folder / "features.json", folder / "features.f16"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        if meta.get("key") != key:
+            meta = {"key": key, "rows": int(offsets[-1]), "hidden": h, "done": []}
+            np.lib.format.open_memmap(data_path, "w+", np.float16, (max(int(offsets[-1]), 1), h)).flush()
+            meta_path.write_text(json.dumps(meta))
+        store = np.load(data_path, mmap_mode="r+")
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+        groups, cur = [], []
+        for i in order:
+            if cur and len(examples[i].ids) * (len(cur) + 1) > max_tokens:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            groups.append(cur)
+        done = set(meta["done"])
+        dev = self.head.device
+        for g, idx in enumerate(tqdm(groups, desc="features", unit="batch", disable=not progress)):
+            if g in done:
+                continue
+            batch = [examples[i] for i in idx]
+            ids, _, _ = collate(batch, dev)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.autocast):
+                f = self.body(input_ids=ids, use_cache=False).last_hidden_state.half().cpu().numpy()
+            for r, i in enumerate(idx):
+                store[offsets[i]: offsets[i + 1]] = f[r, : len(examples[i].ids)]
+            done.add(g)
+            if len(done) % 50 == 0 or len(done) == len(groups):
+                store.flush()
+                meta["done"] = sorted(done)
+                meta_path.write_text(json.dumps(meta))
+        store.flush()
+        for e, o in zip(examples, offsets[:-1]):
+            e.offset = int(o)
+        self.cache = np.load(data_path, mmap_mode="r")
 
 
 def soft_ce(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -131,7 +199,7 @@ def agreement(draft, teacher: Teacher | None, examples: list[Example], max_token
         ids, valid, mask = collate(batch, dev)
         nxt = F.pad(ids[:, 1:], (0, 1), value=-1)
         if feature:
-            feat = teacher.feats(ids)
+            feat = teacher.feats(ids, batch)
             prev = F.pad(feat[:, :-1], (0, 0, 1, 0))
             hidden = draft.model(inputs_embeds=draft.fuse(ids, prev), use_cache=False).last_hidden_state
             h1 = draft.draft_vocab[draft.lm_head(hidden)[..., : draft.draft_vocab_size].argmax(-1)] == nxt

@@ -8,6 +8,7 @@ warmup and cosine decay, the frozen target as online teacher, held-out agreement
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -148,18 +149,18 @@ def train(draft, loss_fn, examples: list[Example], held_out: list[Example], ckpt
     return result
 
 
-def _subset(records: list, max_positions: int | None, seed: int) -> list:
-    """A seeded subset of ``records`` holding about ``max_positions`` reply tokens (all when None)."""
+def _subset(examples: list[Example], max_positions: int | None, seed: int) -> list[Example]:
+    """A seeded subset of ``examples`` holding about ``max_positions`` reply tokens (all when None)."""
     if not max_positions:
-        return records
-    order = list(records)
+        return examples
+    order = list(examples)
     random.Random(seed).shuffle(order)
     out, n = [], 0
-    for r in order:
+    for e in order:
         if n >= max_positions:
             break
-        out.append(r)
-        n += len(r.ids) - r.prompt_len
+        out.append(e)
+        n += len(e.ids) - 1 - e.first
     return out
 
 
@@ -220,24 +221,34 @@ def run_distill(args) -> dict:
     for r in records:
         by_cat.setdefault(r.category, []).append(r.id)
     held = held_out_split(by_cat, args.held_out, args.seed)
-    train_recs = _subset([r for r in records if r.id not in held], args.max_positions, args.seed)
+    train_recs = [r for r in records if r.id not in held]
     held_recs = [r for r in records if r.id in held and id(r) in greedy_ids]
-    positions = {"train": sum(len(r.ids) - r.prompt_len for r in train_recs),
-                 "train_greedy": sum(len(r.ids) - r.prompt_len for r in train_recs if id(r) in greedy_ids),
-                 "held_out": sum(len(r.ids) - r.prompt_len for r in held_recs)}
+    examples_all = [e for r in train_recs for e in make_examples([r], args.max_context, id(r) in greedy_ids)]
+    held_out = make_examples(held_recs, args.max_context, True)
+    # With autocast the teacher's body runs in bf16 (as the target serves); its output layer stays fp32.
+    body = copy.deepcopy(target.model).to(torch.bfloat16) if args.autocast else None
+    teacher = Teacher(target, parse_labels(args.labels), body=body)
+    if args.feature_cache:  # over every training example, so runs on subsets share one cache
+        teacher.cache_features(examples_all, args.feature_cache, args.max_tokens)
+        log({"stage": "features", "rows": int(teacher.cache.shape[0]), "seconds": round(time.time() - t0)})
+    examples = _subset(examples_all, args.max_positions, args.seed)
+
+    def reply(e):
+        return e.ids[e.first + 1:]
+
+    positions = {"train": sum(len(reply(e)) for e in examples),
+                 "train_greedy": sum(len(reply(e)) for e in examples if e.greedy),
+                 "held_out": sum(len(reply(e)) for e in held_out)}
     log({"stage": "data", "corpora": corpora, "shards": shards, "held_out_prompts": len(held), **positions})
 
     vt = target.config.get_text_config().vocab_size
-    counts = count_tokens((torch.as_tensor(r.ids[r.prompt_len:]) for r in train_recs), vt)
+    counts = count_tokens((reply(e) for e in examples), vt)
     vocab = select_vocab(counts, args.draft_vocab, eos_ids(target, tok))
-    held_counts = count_tokens((torch.as_tensor(r.ids[r.prompt_len:]) for r in held_recs), vt)
-    cov = {"train": coverage(counts, vocab), "held_out": coverage(held_counts, vocab) if held_recs else None}
+    held_counts = count_tokens((reply(e) for e in held_out), vt)
+    cov = {"train": coverage(counts, vocab), "held_out": coverage(held_counts, vocab) if held_out else None}
     layers = [int(i) for i in (args.layers or ("29" if args.arch == "eagle" else "0,29")).split(",")]
     make = eagle_from_target if args.arch == "eagle" else draft_from_target
-    draft = make(target, layers, vocab.to(args.device), args.target).to(args.device)
-    teacher = Teacher(target, parse_labels(args.labels), autocast=args.autocast)
-    examples = make_examples(train_recs, args.max_context, False)
-    held_out = make_examples(held_recs, args.max_context, True)
+    draft = make(target, layers, vocab, args.target).to(args.device)
     eval_set = held_out
     if args.eval_positions:  # a fixed, seeded part of the held-out set for the checks during training
         eval_set = list(held_out)
