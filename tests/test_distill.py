@@ -358,3 +358,12 @@ def test_feature_cache_equals_the_online_teacher_and_is_reused(tmp_path):
     again = Teacher(target, body=NoForward())
     again.cache_features(fresh, tmp_path, max_tokens=40, progress=False)
     torch.testing.assert_close(again.feats(ids, fresh[:4]), cached)
+
+
+def test_held_out_split_takes_a_share_of_every_category():
+    from specdec.distill.train import held_out_split
+
+    ids = {"qa": [f"q{i}" for i in range(100)], "code": [f"c{i}" for i in range(10)], "one": ["o0"]}
+    held = held_out_split(ids, 0.05, 0)
+    assert len([i for i in held if i[0] == "q"]) == 5 and len([i for i in held if i[0] == "c"]) == 1
+    assert "o0" not in held and held == held_out_split(ids, 0.05, 0) and held_out_split(ids, 0.0, 0) == set()

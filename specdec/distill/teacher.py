@@ -29,6 +29,7 @@ class Example:
     category: str
     greedy: bool        # a greedy reply: its next tokens are the target's argmax
     offset: int = -1    # its first row in a feature cache (-1: none, the teacher runs)
+    store: int = 0      # which of the teacher's caches holds it
 
 
 def make_examples(records: list[Record], max_context: int, greedy: bool) -> list[Example]:
@@ -99,14 +100,14 @@ class Teacher:
         self.head = target.get_output_embeddings().weight.detach()
         self.top_k = top_k
         self.autocast = autocast
-        self.cache: np.ndarray | None = None
+        self.caches: list[np.ndarray] = []
 
     @torch.no_grad()
     def feats(self, ids: torch.Tensor, batch: list[Example] | None = None) -> torch.Tensor:
-        if self.cache is not None and batch and all(e.offset >= 0 for e in batch):
-            out = torch.zeros(*ids.shape, self.cache.shape[1])
+        if self.caches and batch and all(e.offset >= 0 for e in batch):
+            out = torch.zeros(*ids.shape, self.caches[0].shape[1])
             for r, e in enumerate(batch):
-                out[r, : len(e.ids)] = torch.from_numpy(np.asarray(self.cache[e.offset: e.offset + len(e.ids)]))
+                out[r, : len(e.ids)] = torch.from_numpy(np.asarray(self.caches[e.store][e.offset: e.offset + len(e.ids)]))
             return out.to(ids.device)
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return self.body(input_ids=ids, use_cache=False).last_hidden_state.float()
@@ -124,7 +125,8 @@ class Teacher:
                        progress: bool = True) -> None:
         """One prefill pass over ``examples``: their hidden states (fp16, ``[sum L, H]``) in a memory-mapped
         file under ``folder``, reused by every later epoch and by a later run over the same examples
-        (the file is keyed by their ids). Resumable: finished batches are recorded as it goes."""
+        (the file is keyed by their ids). Resumable: finished batches are recorded as it goes. Several
+        folders (training and held-out examples) can be cached side by side."""
         from tqdm import tqdm
 
         folder = Path(folder)
@@ -169,8 +171,8 @@ class Teacher:
                 meta_path.write_text(json.dumps(meta))
         store.flush()
         for e, o in zip(examples, offsets[:-1]):
-            e.offset = int(o)
-        self.cache = np.load(data_path, mmap_mode="r")
+            e.offset, e.store = int(o), len(self.caches)
+        self.caches.append(np.load(data_path, mmap_mode="r"))
 
 
 def soft_ce(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -144,8 +144,6 @@ def train(draft, loss_fn, examples: list[Example], held_out: list[Example], ckpt
     result = {"steps": st["step"], "stopped": stopped, "best_step": st["best_step"],
               "epochs": st["epoch"] + st["pos"] / max(len(batches), 1), "train_seconds": st["elapsed"],
               "train_loss_ema": ema, "train_top1_ema": ema_agree, "evals": st["evals"]}
-    if held_out and eval_fn:
-        result["held_out"] = eval_fn(draft, held_out)
     return result
 
 
@@ -230,7 +228,8 @@ def run_distill(args) -> dict:
     teacher = Teacher(target, parse_labels(args.labels), body=body)
     if args.feature_cache:  # over every training example, so runs on subsets share one cache
         teacher.cache_features(examples_all, args.feature_cache, args.max_tokens)
-        log({"stage": "features", "rows": int(teacher.cache.shape[0]), "seconds": round(time.time() - t0)})
+        teacher.cache_features(held_out, Path(args.feature_cache) / "held_out", args.max_tokens)
+        log({"stage": "features", "rows": [int(c.shape[0]) for c in teacher.caches], "seconds": round(time.time() - t0)})
     examples = _subset(examples_all, args.max_positions, args.seed)
 
     def reply(e):

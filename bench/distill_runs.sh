@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The draft trainings behind bench/RESULTS.md "Draft models", on this 2-core CPU, two runs at a time with
+# one thread each. The corpus is specdec/data/corpus/smollm2-bf16 (its manifest holds the command that made
+# it); the target's hidden states are computed once into $SPECDEC_CACHE/features (outside the repository).
+#   bash bench/distill_runs.sh main     # the shipped drafts: both kinds on the whole corpus
+#   bash bench/distill_runs.sh shapes   # draft shapes and the data-size curve, on seeded subsets
+# Drafts land in ${RUNS:-/tmp/distill_runs}/NAME, their logs in .../w_NAME/log.jsonl.
+set -euo pipefail
+R=${RUNS:-/tmp/distill_runs}
+C=specdec/data/corpus/smollm2-bf16
+F=${SPECDEC_CACHE:-$HOME/.cache/specdec}/features/smollm2-bf16
+common="--target smollm2 --corpus $C --feature-cache $F --max-tokens 4096 --steps 100000 --eval-every 200 \
+  --eval-positions 20000 --held-out 0.03 --seed 0 --threads 1"
+run() { name=$1; shift; OMP_NUM_THREADS=1 python -m specdec distill $common --out $R/$name --work $R/w_$name "$@" \
+  > $R/$name.log 2>&1; }
+mkdir -p $R
+case ${1:-main} in
+  features)  # the one prefill pass (both cores), which every run below then reads
+    OMP_NUM_THREADS=2 python -m specdec distill ${common/--threads 1/--threads 2} --out $R/features --work $R/w_features \
+      --arch eagle --steps 0 --eval-every 0 > $R/features.log 2>&1 ;;
+  main)
+    run eagle --arch eagle --layers 29 --lr 1e-3 --train-minutes ${MINUTES:-22} --patience 5 &
+    run layers --arch layers --layers 0,29 --lr 5e-4 --train-minutes ${MINUTES:-22} --patience 5 &
+    wait ;;
+  shapes)  # the held-out examples' features first, so the paired runs below do not both write them
+    run held-out-features --arch eagle --steps 0 --eval-every 0 --threads 2
+    S="--max-positions 250000 --train-minutes ${MINUTES:-6} --patience 3 --lr 1e-3 --arch eagle"
+    run eagle-250k $S --layers 29 & run eagle-250k-unroll2 $S --layers 29 --unroll 2 & wait
+    run eagle-250k-2layer $S --layers 28,29 & run eagle-250k-v16k $S --layers 29 --draft-vocab 16384 & wait
+    run eagle-250k-topk8 $S --layers 29 --labels topk:8 & run eagle-60k ${S/250000/60000} --layers 29 & wait
+    run eagle-1000k ${S/250000/1000000} --layers 29 --threads 2 ;;
+esac
