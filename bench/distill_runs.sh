@@ -19,14 +19,13 @@ case ${1:-main} in
     OMP_NUM_THREADS=2 python -m specdec distill ${common/--threads 1/--threads 2} --out $R/features --work $R/w_features \
       --arch eagle --steps 0 --eval-every 0 > $R/features.log 2>&1 ;;
   main)
-    run eagle --arch eagle --layers 29 --lr 1e-3 --train-minutes ${MINUTES:-22} --patience 5 &
-    run layers --arch layers --layers 0,29 --lr 5e-4 --train-minutes ${MINUTES:-22} --patience 5 &
+    run eagle --arch eagle --layers 29 --lr 1e-3 --train-minutes ${MINUTES:-20} --patience 5 &
+    run layers --arch layers --layers 0,29 --lr 5e-4 --train-minutes ${MINUTES:-20} --patience 5 &
     wait ;;
   shapes)  # the held-out examples' features first, so the paired runs below do not both write them
     run held-out-features --arch eagle --steps 0 --eval-every 0 --threads 2
-    S="--max-positions 250000 --train-minutes ${MINUTES:-6} --patience 3 --lr 1e-3 --arch eagle"
+    S="--max-positions 250000 --train-minutes ${MINUTES:-4} --patience 3 --lr 1e-3 --arch eagle"
     run eagle-250k $S --layers 29 & run eagle-250k-unroll2 $S --layers 29 --unroll 2 & wait
     run eagle-250k-2layer $S --layers 28,29 & run eagle-250k-v16k $S --layers 29 --draft-vocab 16384 & wait
-    run eagle-250k-topk8 $S --layers 29 --labels topk:8 & run eagle-60k ${S/250000/60000} --layers 29 & wait
-    run eagle-1000k ${S/250000/1000000} --layers 29 --threads 2 ;;
+    run eagle-250k-topk8 $S --layers 29 --labels topk:8 & run eagle-60k ${S/250000/60000} --layers 29 & wait ;;
 esac
