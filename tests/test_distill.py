@@ -367,3 +367,33 @@ def test_held_out_split_takes_a_share_of_every_category():
     held = held_out_split(ids, 0.05, 0)
     assert len([i for i in held if i[0] == "q"]) == 5 and len([i for i in held if i[0] == "c"]) == 1
     assert "o0" not in held and held == held_out_split(ids, 0.05, 0) and held_out_split(ids, 0.0, 0) == set()
+
+
+def test_bad_distill_options_and_changed_reply_settings_fail_clearly(tmp_path, capsys):
+    _, tdir = _tiny_target(tmp_path)
+    prompts = _prompt_file(tmp_path)
+    base = ["corpus", "--target", str(tdir), "--out", str(tmp_path / "c"), "--prompts", str(prompts),
+            "--samples", "0", "--gen-dtype", "fp32", "--gen-tokens", "6", "--batch-size", "4"]
+    assert cli_main(base) == 0
+    assert cli_main(base[:-4] + ["--gen-tokens", "9", "--batch-size", "4"]) != 0   # same shard names, other settings
+    assert "made with other settings" in capsys.readouterr().err
+    d = ["distill", "--target", str(tdir), "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
+         "--work", str(tmp_path / "w"), "--steps", "1"]
+    for extra, msg in [(["--labels", "top3"], "labels must be"), (["--unroll", "2"], "--unroll"),
+                       (["--held-out", "1"], "--held-out"), (["--max-context", "0"], "--max-context")]:
+        assert cli_main(d + extra) != 0
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_magpie_gives_up_when_nothing_passes_the_filters(tmp_path, monkeypatch):
+    from specdec.distill import magpie
+    from specdec.distill.corpus import Corpus
+
+    _, tdir = _tiny_target(tmp_path, chat=True)
+    _, tok = load_model(str(tdir))
+    monkeypatch.setattr(magpie, "generate", lambda m, prompts, *a: [([5, 6], False)] * len(prompts))  # never ends
+    corpus = Corpus.open(tmp_path / "c", "tiny", {"vocab_size": VOCAB, "tokenizer": "x", "config_sha": "y"}, "fp32")
+    with pytest.raises(ValueError, match="kept no user turn"):
+        magpie.make_user_turns(None, tok, corpus, 10, batch_size=2, max_tokens=4, eos={1}, pad_id=0)
+    assert [s["dropped"]["unfinished"] for s in corpus.shards("user")] == [2, 2, 2]

@@ -6,7 +6,8 @@
 ``depth1`` is the rate at which the draft's first token equals the target's next greedy token (the
 per-token acceptance of one-token ``sd``); ``depth2`` the rate of the second chain token given the
 first (see :func:`specdec.distill.teacher.agreement`). Teacher-forced, so it measures the draft
-alone, without decoding.
+alone, without decoding. The target runs in fp32 here; ``specdec distill`` measures its held-out prompts
+with a bf16 teacher, so the two agree only roughly for a feature-conditioned draft.
 """
 from __future__ import annotations
 

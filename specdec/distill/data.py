@@ -1,9 +1,10 @@
 """Making the corpus: the target's replies to prompts, in resumable shards (:mod:`~specdec.distill.corpus`).
 
 Generation is transformers' ``generate`` over left-padded batches. Every shard is named after its
-source and pass (``user_0003-greedy_0000``, ``train-1a2b3c4d-sample1_0002``), so a rerun skips what exists
-and one that asks for more passes or more prompts adds only the new shards. Sampled passes seed the
-generator from the shard's name, so a resumed corpus is the one an uninterrupted run would have made.
+source and pass (``user_0003-greedy_0000``, ``train-prompts-b433cd58-sample1_0000``), so a rerun skips what exists
+(refusing a shard that was made with other settings) and one that asks for more passes adds only the new
+shards. Sampled passes seed the generator from the shard's name, so a resumed corpus is the one an
+uninterrupted run with the same batch size would have made.
 """
 from __future__ import annotations
 
@@ -106,6 +107,14 @@ def make_replies(model, corpus: Corpus, sources: list[tuple[str, list[Prompt]]],
         random.Random(seed).shuffle(order)
         chunks = [order[i:i + shard_prompts] for i in range(0, len(order), shard_prompts)]
         plan += [(f"{tag}-{p.name}_{i:04d}", p, c) for p in passes for i, c in enumerate(chunks)]
+    for name, p, chunk in plan:
+        entry = next((s for s in corpus.shards("reply") if s["name"] == name), None)
+        if entry is not None and (entry.get("sampling") != p.sampling or entry.get("max_new_tokens") != max_new_tokens
+                                  or entry["records"] != len(chunk)):
+            raise ValueError(f"corpus {corpus.root} already has shard {name!r} made with other settings "
+                             f"({entry.get('sampling')}, {entry.get('max_new_tokens')} new tokens, {entry['records']} "
+                             f"prompts; this run: {p.sampling}, {max_new_tokens}, {len(chunk)}): keep them, or use "
+                             f"another corpus folder")
     todo = [item for item in plan if not corpus.has(item[0])]
     written = []
     bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="replies", unit="shard", disable=not progress)

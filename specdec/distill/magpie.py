@@ -4,8 +4,9 @@ Xu et al. 2024).
 Given only its chat template up to where the user's text begins, an instruct model continues with a
 plausible user turn and closes it with its end-of-turn token. Sampled at a temperature, that gives
 as many prompts as wanted, in the style of what the model was tuned on. Each candidate is then
-filtered, in this order: it must end within the token budget (``unfinished``), have a sensible
-length (``length``), read as English text (``language``), differ from every prompt kept so far
+filtered, in this order: it must end within the token budget (``unfinished``), be mostly ASCII
+(``language``), have a sensible length (``length``), contain a common English word (``language``),
+differ from every prompt kept so far
 (``duplicate``), and share no word n-gram with the evaluation prompts (``dev_overlap``). The
 survivors get a cheap keyword guess at their category, so held-out splits cover every kind.
 """
@@ -136,7 +137,9 @@ def make_user_turns(model, tokenizer, corpus: Corpus, target_count: int, batch_s
             filt.remember(tokenizer.decode(r.ids.tolist()))
             have += 1
     written = []
-    i = len(corpus.shards("user"))
+    names = [s["name"] for s in corpus.shards("user")]
+    i = max((int(n.split("_")[1]) for n in names), default=-1) + 1
+    empty = 0
     bar = tqdm(total=target_count, initial=min(have, target_count), desc="user turns", unit="prompt",
                disable=not progress)
     while have < target_count:
@@ -163,6 +166,10 @@ def make_user_turns(model, tokenizer, corpus: Corpus, target_count: int, batch_s
         written.append(name)
         have += len(records)
         i += 1
+        empty = 0 if records else empty + 1
+        if empty >= 3:
+            raise ValueError(f"three Magpie shards in a row kept no user turn (dropped: {dropped}); this target "
+                             "does not write usable user turns with these settings (try a larger --magpie-tokens)")
         bar.update(min(len(records), max(0, target_count - bar.n)))
         bar.set_postfix(kept=f"{len(records)}/{batch_size}")
     bar.close()

@@ -1,10 +1,10 @@
 """What a draft learns from and is measured against: the corpus as training examples, the frozen
 target as an online teacher, and chain agreement on the target's greedy replies.
 
-The corpus stores token ids only. Each training batch runs the frozen target over its ids once
-(``Teacher``): its last hidden states are the inputs of a feature-conditioned draft, and its output
-layer over them, restricted to the draft's vocabulary, gives the soft labels. Nothing is cached on
-disk, so a larger corpus costs time, not space.
+The corpus stores token ids only. The frozen target (``Teacher``) runs over the ids: its last hidden
+states are the inputs of a feature-conditioned draft, and its output layer over them, restricted to the
+draft's vocabulary, gives the soft labels. The hidden states are computed at every step, or once per
+corpus into a memory-mapped cache outside the repository (:meth:`Teacher.cache_features`).
 """
 from __future__ import annotations
 
@@ -95,11 +95,10 @@ class Teacher:
     target serves in bf16); ``head`` stays fp32. With a feature cache (:meth:`cache_features`), the
     examples that have rows in it are read instead of recomputed."""
 
-    def __init__(self, target, top_k: int | None = None, autocast: bool = False, body=None):
+    def __init__(self, target, top_k: int | None = None, body=None):
         self.body = body if body is not None else target.model
         self.head = target.get_output_embeddings().weight.detach()
         self.top_k = top_k
-        self.autocast = autocast
         self.caches: list[np.ndarray] = []
 
     @torch.no_grad()
@@ -109,8 +108,7 @@ class Teacher:
             for r, e in enumerate(batch):
                 out[r, : len(e.ids)] = torch.from_numpy(np.asarray(self.caches[e.store][e.offset: e.offset + len(e.ids)]))
             return out.to(ids.device)
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return self.body(input_ids=ids, use_cache=False).last_hidden_state.float()
+        return self.body(input_ids=ids, use_cache=False).last_hidden_state.float()
 
     @torch.no_grad()
     def labels(self, feat: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
@@ -135,7 +133,9 @@ class Teacher:
         digest = hashlib.blake2b(digest_size=16)
         for e in examples:
             digest.update(e.ids.numpy().astype(np.int32).tobytes() + b"|")
-        key = f"{digest.hexdigest()}-{h}-{next(self.body.parameters()).dtype}"
+        # the examples, how they are batched (``done`` lists batch indices), and which target in which dtype
+        digest.update(self.head[:8].float().cpu().numpy().tobytes())
+        key = f"{digest.hexdigest()}-{h}-{max_tokens}-{next(self.body.parameters()).dtype}"
         offsets = np.cumsum([0] + [len(e.ids) for e in examples])
         meta_path, data_path = folder / "features.json", folder / "features.f16"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
@@ -160,8 +160,7 @@ class Teacher:
                 continue
             batch = [examples[i] for i in idx]
             ids, _, _ = collate(batch, dev)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.autocast):
-                f = self.body(input_ids=ids, use_cache=False).last_hidden_state.half().cpu().numpy()
+            f = self.body(input_ids=ids, use_cache=False).last_hidden_state.half().cpu().numpy()
             for r, i in enumerate(idx):
                 store[offsets[i]: offsets[i + 1]] = f[r, : len(examples[i].ids)]
             done.add(g)

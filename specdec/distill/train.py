@@ -169,6 +169,11 @@ def run_distill(args) -> dict:
     from specdec.draft_models.reduced import draft_from_target
     from specdec.hub import load_model
 
+    top_k = parse_labels(args.labels)  # bad options fail before any model is loaded
+    if args.unroll < 1 or (args.unroll > 1 and args.arch != "eagle"):
+        raise ValueError(f"--unroll must be >= 1, and above 1 only with --arch eagle (got {args.unroll}, {args.arch})")
+    if args.max_context < 1 or not 0 <= args.held_out < 1:
+        raise ValueError(f"--max-context must be >= 1 and --held-out in [0, 1), got {args.max_context}, {args.held_out}")
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
@@ -201,9 +206,12 @@ def run_distill(args) -> dict:
         corpora = corpora or [str(root)]
     if not corpora:
         raise ValueError("nothing to train on: give --corpus DIR (made by `specdec corpus`) or --prompts FILE")
-    records, greedy_ids, shards = [], set(), 0
+    records, greedy_ids, shards, dtypes = [], set(), 0, set()
     for root in corpora:
         c = Corpus.load(root)
+        dtypes.add(c.manifest["gen_dtype"])
+        if len(dtypes) > 1:
+            raise CorpusMismatch(f"the corpora {corpora} were generated in different dtypes ({sorted(dtypes)})")
         if c.manifest["fingerprint"] != fp:
             raise CorpusMismatch(f"corpus {root} was made by another target or vocabulary "
                                  f"({c.manifest['target']}, {c.manifest['fingerprint']}) than --target {args.target} ({fp})")
@@ -225,12 +233,14 @@ def run_distill(args) -> dict:
     held_out = make_examples(held_recs, args.max_context, True)
     # With autocast the teacher's body runs in bf16 (as the target serves); its output layer stays fp32.
     body = copy.deepcopy(target.model).to(torch.bfloat16) if args.autocast else None
-    teacher = Teacher(target, parse_labels(args.labels), body=body)
+    teacher = Teacher(target, top_k, body=body)
     if args.feature_cache:  # over every training example, so runs on subsets share one cache
         teacher.cache_features(examples_all, args.feature_cache, args.max_tokens)
         teacher.cache_features(held_out, Path(args.feature_cache) / "held_out", args.max_tokens)
         log({"stage": "features", "rows": [int(c.shape[0]) for c in teacher.caches], "seconds": round(time.time() - t0)})
     examples = _subset(examples_all, args.max_positions, args.seed)
+    if not examples:
+        raise ValueError(f"no training examples in {corpora} (every reply is empty or held out)")
 
     def reply(e):
         return e.ids[e.first + 1:]
