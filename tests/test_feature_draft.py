@@ -157,6 +157,7 @@ def distilled(tmp_path_factory):
     register_draft_models()
 
     from specdec.cli import main as cli_main
+    from specdec.distill.corpus import Corpus
     from tests.test_distill import _tiny_tokenizer
 
     tmp = tmp_path_factory.mktemp("eagle")
@@ -170,14 +171,17 @@ def distilled(tmp_path_factory):
     prompts = tmp / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["distill", "--arch", "eagle", "--target", str(tdir), "--prompts", str(prompts), "--out", str(out),
-            "--work", str(work), "--gen-dtype", "fp32", "--gen-tokens", "24", "--batch-size", "8", "--top-k", "4",
+            "--work", str(work), "--gen-dtype", "fp32", "--gen-tokens", "24", "--batch-size", "8",
             "--layers", "1", "--draft-vocab", "48", "--max-tokens", "256", "--held-out", "0.2", "--seed", "0",
             "--no-autocast", "--lr", "3e-3", "--steps", "150", "--save-dtype", "fp32"]
     assert cli_main(args) == 0
-    assert sorted({p.name.split("_")[0] for p in (work / "data").glob("*.pt")}) == ["feat", "greedy", "prompt", "sample0"]
+    corpus = Corpus.load(work / "corpus")
+    assert sorted(s["name"].rsplit("-", 1)[1] for s in corpus.shards("reply")) == ["greedy_0000", "sample0_0000"]
     summary = json.loads((out / "distill_summary.json").read_text())
-    records = [r for p in sorted((work / "data").glob("greedy_*.pt")) for r in torch.load(p, weights_only=True)]
-    prompts_ids = [r["ids"][: r["prompt_len"]].tolist() for r in records if r["id"] not in summary["held_out_ids"]]
+    records = [r for s in corpus.shards("reply") if s["sampling"]["temperature"] == 0 for r in corpus.read(s["name"])]
+    # training prompts whose greedy reply runs long (short ones end in EOS before sd drafts much)
+    prompts_ids = [r.ids[: r.prompt_len].tolist() for r in records
+                   if r.id not in summary["held_out_ids"] and len(r.ids) - r.prompt_len >= 20]
     return target, AutoModelForCausalLM.from_pretrained(out).eval(), summary, prompts_ids
 
 
