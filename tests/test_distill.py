@@ -338,7 +338,7 @@ def test_feature_cache_equals_the_online_teacher_and_is_reused(tmp_path):
             for i, n in enumerate(torch.randint(5, 20, (9,), generator=g))]
     examples = make_examples(recs, 8, True)
     teacher = Teacher(target)
-    ids, _, _ = collate(examples[:4], "cpu")
+    ids, _ = collate(examples[:4], "cpu")
     online = teacher.feats(ids)
     teacher.cache_features(examples, tmp_path, max_tokens=40, progress=False)
     assert all(e.offset >= 0 for e in examples)

@@ -114,10 +114,9 @@ class Corpus:
     def has(self, name: str) -> bool:
         return any(s["name"] == name for s in self.manifest["shards"])
 
-    def shards(self, kind: str | None = None, prefix: str | None = None) -> list[dict]:
-        """Manifest entries, in the order written, optionally of one kind and/or name prefix."""
-        return [s for s in self.manifest["shards"] if (kind is None or s["kind"] == kind)
-                and (prefix is None or s["name"].startswith(prefix))]
+    def shards(self, kind: str | None = None) -> list[dict]:
+        """Manifest entries, in the order written, optionally of one kind."""
+        return [s for s in self.manifest["shards"] if kind is None or s["kind"] == kind]
 
     def write(self, name: str, records: list[Record], kind: str, **info) -> dict:
         """Write shard ``name`` (``kind``: ``user`` or ``reply``; ``info``: sampling, device, command, ...)
@@ -154,8 +153,8 @@ class Corpus:
         return [Record(meta[r][0], meta[r][1], tokens[offsets[r]:offsets[r + 1]].astype(np.int64), int(plen[r]))
                 for r in range(len(plen))]
 
-    def records(self, kind: str | None = None, prefix: str | None = None) -> list[Record]:
-        return [r for s in self.shards(kind, prefix) for r in self.read(s["name"])]
+    def records(self, kind: str | None = None) -> list[Record]:
+        return [r for s in self.shards(kind) for r in self.read(s["name"])]
 
     def reply_tokens(self, kind: str = "reply") -> int:
         return sum(s["reply_tokens"] for s in self.shards(kind))

@@ -21,7 +21,7 @@ from specdec.distill.teacher import Example, Teacher, collate, soft_ce
 def layers_loss(draft, batch: list[Example], teacher: Teacher, autocast: bool = False):
     """A token-only draft (:class:`~specdec.draft_models.reduced.SpecdecDraftForCausalLM`)."""
     dev = draft.draft_vocab.device
-    ids, _, mask = collate(batch, dev)
+    ids, mask = collate(batch, dev)
     p = teacher.labels(teacher.feats(ids, batch)[mask], draft.draft_vocab)
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
         hidden = draft.model(input_ids=draft.target_to_draft[ids], use_cache=False).last_hidden_state
@@ -37,7 +37,7 @@ def eagle_loss(draft, batch: list[Example], teacher: Teacher, autocast: bool = F
     if unroll < 1:
         raise ValueError(f"unroll must be >= 1, got {unroll}")
     dev = draft.draft_vocab.device
-    ids, _, mask = collate(batch, dev)
+    ids, mask = collate(batch, dev)
     feat = teacher.feats(ids, batch)
     p = teacher.labels(feat[mask], draft.draft_vocab)
     prev = F.pad(feat[:, :-1], (0, 0, 1, 0))

@@ -61,18 +61,17 @@ def make_batches(examples: list[Example], max_tokens: int, seed: int) -> list[li
     return batches
 
 
-def collate(batch: list[Example], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ids [B,T]`` (right padding: causal attention never sees it), ``valid [B,T]`` and ``mask [B,T]``
-    (the positions that predict a reply token: ``first`` onward, before the last)."""
+def collate(batch: list[Example], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids [B,T]`` (right padding: causal attention never sees it) and ``mask [B,T]`` (the positions
+    that predict a reply token: ``first`` onward, before the last)."""
     width = max(len(e.ids) for e in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.int64)
-    valid = torch.zeros(len(batch), width, dtype=torch.bool)
     mask = torch.zeros(len(batch), width, dtype=torch.bool)
     for r, e in enumerate(batch):
         n = len(e.ids)
-        ids[r, :n], valid[r, :n] = e.ids, True
+        ids[r, :n] = e.ids
         mask[r, e.first: n - 1] = True
-    return ids.to(device), valid.to(device), mask.to(device)
+    return ids.to(device), mask.to(device)
 
 
 def parse_labels(spec: str) -> int | None:
@@ -159,7 +158,7 @@ class Teacher:
             if g in done:
                 continue
             batch = [examples[i] for i in idx]
-            ids, _, _ = collate(batch, dev)
+            ids, _ = collate(batch, dev)
             f = self.body(input_ids=ids, use_cache=False).last_hidden_state.half().cpu().numpy()
             for r, i in enumerate(idx):
                 store[offsets[i]: offsets[i + 1]] = f[r, : len(examples[i].ids)]
@@ -197,7 +196,7 @@ def agreement(draft, teacher: Teacher | None, examples: list[Example], max_token
     feature = is_feature_draft(draft)
     cats: dict[str, list[int]] = {}
     for batch in make_batches(examples, max_tokens, 0):
-        ids, valid, mask = collate(batch, dev)
+        ids, mask = collate(batch, dev)
         nxt = F.pad(ids[:, 1:], (0, 1), value=-1)
         if feature:
             feat = teacher.feats(ids, batch)

@@ -206,7 +206,7 @@ def run_distill(args) -> dict:
         corpora = corpora or [str(root)]
     if not corpora:
         raise ValueError("nothing to train on: give --corpus DIR (made by `specdec corpus`) or --prompts FILE")
-    records, greedy_ids, shards, dtypes = [], set(), 0, set()
+    records, shards, dtypes = [], 0, set()   # (record, whether it is a greedy reply)
     for root in corpora:
         c = Corpus.load(root)
         dtypes.add(c.manifest["gen_dtype"])
@@ -216,20 +216,16 @@ def run_distill(args) -> dict:
             raise CorpusMismatch(f"corpus {root} was made by another target or vocabulary "
                                  f"({c.manifest['target']}, {c.manifest['fingerprint']}) than --target {args.target} ({fp})")
         for s in c.shards("reply"):
-            rs = c.read(s["name"])
-            if s["sampling"]["temperature"] == 0:
-                greedy_ids.update(id(r) for r in rs)
-            records += rs
+            records += [(r, s["sampling"]["temperature"] == 0) for r in c.read(s["name"])]
             shards += 1
     if not records:
         raise ValueError(f"no reply shards in {corpora}: add replies with `specdec corpus`")
     by_cat: dict[str, list[str]] = {}
-    for r in records:
+    for r, _ in records:
         by_cat.setdefault(r.category, []).append(r.id)
     held = held_out_split(by_cat, args.held_out, args.seed)
-    train_recs = [r for r in records if r.id not in held]
-    held_recs = [r for r in records if r.id in held and id(r) in greedy_ids]
-    examples_all = [e for r in train_recs for e in make_examples([r], args.max_context, id(r) in greedy_ids)]
+    held_recs = [r for r, greedy in records if r.id in held and greedy]
+    examples_all = [e for r, greedy in records if r.id not in held for e in make_examples([r], args.max_context, greedy)]
     held_out = make_examples(held_recs, args.max_context, True)
     # With autocast the teacher's body runs in bf16 (as the target serves); its output layer stays fp32.
     body = copy.deepcopy(target.model).to(torch.bfloat16) if args.autocast else None
