@@ -105,7 +105,7 @@ class Teacher:
         if self.caches and batch and all(e.offset >= 0 for e in batch):
             out = torch.zeros(*ids.shape, self.caches[0].shape[1])
             for r, e in enumerate(batch):
-                out[r, : len(e.ids)] = torch.from_numpy(np.asarray(self.caches[e.store][e.offset: e.offset + len(e.ids)]))
+                out[r, : len(e.ids)] = torch.from_numpy(np.array(self.caches[e.store][e.offset: e.offset + len(e.ids)]))
             return out.to(ids.device)
         return self.body(input_ids=ids, use_cache=False).last_hidden_state.float()
 
