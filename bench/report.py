@@ -11,7 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from specdec.bench import summarize
+from specdec.bench_summary import summarize
+
+
+def reference_of(runs: list[dict]) -> str:
+    """The method speedups are over: ``hf`` in specdec's bench files, ``vllm`` in vLLM's."""
+    return "hf" if any(r["method"] == "hf" for r in runs) else "vllm"
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
 
 def markdown(result: dict) -> str:
@@ -20,16 +29,17 @@ def markdown(result: dict) -> str:
     methods = list(dict.fromkeys(r["method"] for r in runs))
     rows = ["| category | " + " | ".join(f"{m} speedup / tok per call" for m in methods) + " |",
             "|---|" + "---|" * len(methods)]
+    ref = reference_of(runs)
     for cat in cats + ["overall"]:
-        s = summarize([r for r in runs if cat == "overall" or r["category"] == cat])
-        cells = [f"{s[m]['speedup']:.2f}x / {s[m]['tokens_per_call']:.2f}" for m in methods]
+        s = summarize([r for r in runs if cat == "overall" or r["category"] == cat], ref)
+        cells = [f"{_x(s[m]['speedup'])}x / {_x(s[m]['tokens_per_call'])}" for m in methods]
         rows.append(f"| {cat} | " + " | ".join(cells) + " |")
-    s = summarize(runs)
-    rows += ["", "| method | tok/s | speedup | tok/call | accept rate | identical |", "|---|---|---|---|---|---|"]
+    s = summarize(runs, ref)
+    rows += ["", f"| method | tok/s | speedup over {ref} | tok/call | accept rate | identical |", "|---|---|---|---|---|---|"]
     for m in methods:
         acc = "-" if s[m]["accept_rate"] is None else f"{s[m]['accept_rate']:.2f}"
         ident = "-" if s[m]["identical_rate"] is None else f"{s[m]['identical_rate']:.0%}"
-        rows.append(f"| {m} | {s[m]['tokens_per_second']:.1f} | {s[m]['speedup']:.2f}x | {s[m]['tokens_per_call']:.2f} "
+        rows.append(f"| {m} | {s[m]['tokens_per_second']:.1f} | {_x(s[m]['speedup'])}x | {_x(s[m]['tokens_per_call'])} "
                     f"| {acc} | {ident} |")
     acc = acceptance(runs, cats, [m for m in methods if s[m]["accept_rate"] is not None])
     alloc = allocation(runs, methods)
@@ -91,7 +101,7 @@ def main() -> None:
         with open(path) as f:
             parts.append(json.load(f))
     runs = [r for p in parts for r in p["runs"]]
-    merged = {"config": {**parts[0]["config"], "shards": len(parts)}, "runs": runs, "summary": summarize(runs)}
+    merged = {"config": {**parts[0]["config"], "shards": len(parts)}, "runs": runs, "summary": summarize(runs, reference_of(runs))}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(merged, f, indent=1)

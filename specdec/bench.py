@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from specdec import methods
 from specdec.api import SpecDecoder, hf_generate
-from specdec.decoding import add_counters
+from specdec.bench_summary import format_table, summarize
 from specdec.draft_models import is_feature_draft
 from specdec.methods import parse_label
 from specdec.prompts import Prompt, read_prompts
@@ -146,42 +146,6 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
     return {"config": config or {}, "runs": runs, "summary": summarize(runs)}
 
 
-def _path(runs: list[dict]) -> str:
-    """Which forward path a method's target calls took: ``compiled`` (every decode forward through
-    torch.compile), ``eager``, or ``mixed``."""
-    compiled = [r.get("compiled_target_calls", 0) > 0 for r in runs if r["target_calls"] > 1]
-    return "compiled" if compiled and all(compiled) else "mixed" if any(compiled) else "eager"
-
-
-def summarize(runs: list[dict]) -> dict:
-    """Per-method totals: throughput, speedup over ``hf``, tokens per target call, acceptance, identity."""
-    summary = {}
-    for m in dict.fromkeys(r["method"] for r in runs):
-        rs = [r for r in runs if r["method"] == m]
-        tokens = sum(r["new_tokens"] for r in rs)
-        seconds = sum(r["seconds"] for r in rs)
-        calls = sum(r["target_calls"] for r in rs)
-        drafted = [r["drafted_tokens"] for r in rs if r["drafted_tokens"] is not None]
-        accepted = [r["accepted_tokens"] for r in rs if r["accepted_tokens"] is not None]
-        ident = [r["identical_to_reference"] for r in rs if r["identical_to_reference"] is not None]
-        drafter: dict = {}
-        for r in rs:  # sum drafter counters (e.g. ngrammys' allocation per source) over prompts
-            drafter = add_counters(drafter, r.get("drafter") or {})
-        summary[m] = {
-            "tokens_per_second": tokens / seconds if seconds else 0.0,
-            "tokens_per_call": tokens / calls if calls else None,
-            "accept_rate": sum(accepted) / sum(drafted) if drafted and sum(drafted) else None,
-            "identical_rate": sum(ident) / len(ident) if ident else None,
-            "path": _path(rs),
-        }
-        if drafter:
-            summary[m]["drafter"] = drafter
-    ref = summary.get("hf", {}).get("tokens_per_second")
-    for m, s in summary.items():
-        s["speedup"] = s["tokens_per_second"] / ref if ref else None
-    return summary
-
-
 def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int, sampling: SamplingConfig,
                  linear: str = "torch", compile: bool = False) -> dict:
     return {
@@ -191,15 +155,3 @@ def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int,
         "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
     }
-
-
-def format_table(result: dict) -> str:
-    """The summary as a fixed-width text table."""
-    head = f"{'method':<12}{'tok/s':>9}{'speedup':>9}{'tok/call':>10}{'accept':>8}{'identical':>11}"
-    lines = [head, "-" * len(head)]
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    for m, s in result["summary"].items():
-        lines.append(f"{m:<12}{s['tokens_per_second']:>9.1f}{fmt(s['speedup'], '.2f') + 'x':>9}"
-                     f"{fmt(s['tokens_per_call'], '.2f'):>10}{fmt(s['accept_rate'], '.2f'):>8}"
-                     f"{fmt(s['identical_rate'], '.0%'):>11}")
-    return "\n".join(lines)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.drafters.base import DecodeState, Drafter
+from specdec.bench_summary import add_counters
 from specdec.model import ModelRunner
 from specdec.policies import StaticLength, cap_nodes, prune
 from specdec.tree import DraftTree
@@ -59,13 +60,6 @@ class DecodeStats:
             self.drafted_tokens += step.drafted[r]
             self.accepted_tokens += step.lengths[r] - 1
             self.accept_lengths.append(step.lengths[r] - 1)
-
-
-def add_counters(a, b):
-    """Nested dicts of numbers added key by key (drafter summaries of several generations)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return {k: add_counters(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
-    return a + b
 
 
 @dataclass

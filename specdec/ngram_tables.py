@@ -15,8 +15,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # the drafter reads tables without loading transformers
+    from transformers import PreTrainedModel
 
 TABLE_VERSION = 1  # bump when the way tables are computed changes
 

@@ -1,0 +1,60 @@
+"""The bench JSON's summary: per-method totals over runs, and the text table ``specdec bench`` prints.
+
+Kept apart from :mod:`specdec.bench` so that a bench run in another environment (vLLM's,
+:mod:`specdec.integrations.vllm_bench`) writes the same summary without loading specdec's engine."""
+from __future__ import annotations
+
+def add_counters(a, b):
+    """Nested dicts of numbers added key by key (drafter summaries of several generations)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: add_counters(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+    return a + b
+
+
+def _path(runs: list[dict]) -> str:
+    """Which forward path a method's target calls took: ``compiled`` (every decode forward through
+    torch.compile), ``eager``, or ``mixed``."""
+    compiled = [r.get("compiled_target_calls", 0) > 0 for r in runs if r["target_calls"] > 1]
+    return "compiled" if compiled and all(compiled) else "mixed" if any(compiled) else "eager"
+
+
+def summarize(runs: list[dict], reference: str = "hf") -> dict:
+    """Per-method totals: throughput, speedup over ``reference`` (``hf``; a vLLM bench file: ``vllm``),
+    tokens per target call, acceptance, identity."""
+    summary = {}
+    for m in dict.fromkeys(r["method"] for r in runs):
+        rs = [r for r in runs if r["method"] == m]
+        tokens = sum(r["new_tokens"] for r in rs)
+        seconds = sum(r["seconds"] for r in rs)
+        calls = sum(r["target_calls"] for r in rs)
+        drafted = [r["drafted_tokens"] for r in rs if r["drafted_tokens"] is not None]
+        accepted = [r["accepted_tokens"] for r in rs if r["accepted_tokens"] is not None]
+        ident = [r["identical_to_reference"] for r in rs if r["identical_to_reference"] is not None]
+        drafter: dict = {}
+        for r in rs:  # sum drafter counters (e.g. ngrammys' allocation per source) over prompts
+            drafter = add_counters(drafter, r.get("drafter") or {})
+        summary[m] = {
+            "tokens_per_second": tokens / seconds if seconds else 0.0,
+            "tokens_per_call": tokens / calls if calls else None,
+            "accept_rate": sum(accepted) / sum(drafted) if drafted and sum(drafted) else None,
+            "identical_rate": sum(ident) / len(ident) if ident else None,
+            "path": _path(rs),
+        }
+        if drafter:
+            summary[m]["drafter"] = drafter
+    ref = summary.get(reference, {}).get("tokens_per_second")
+    for m, s in summary.items():
+        s["speedup"] = s["tokens_per_second"] / ref if ref else None
+    return summary
+
+
+def format_table(result: dict) -> str:
+    """The summary as a fixed-width text table."""
+    head = f"{'method':<12}{'tok/s':>9}{'speedup':>9}{'tok/call':>10}{'accept':>8}{'identical':>11}"
+    lines = [head, "-" * len(head)]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for m, s in result["summary"].items():
+        lines.append(f"{m:<12}{s['tokens_per_second']:>9.1f}{fmt(s['speedup'], '.2f') + 'x':>9}"
+                     f"{fmt(s['tokens_per_call'], '.2f'):>10}{fmt(s['accept_rate'], '.2f'):>8}"
+                     f"{fmt(s['identical_rate'], '.0%'):>11}")
+    return "\n".join(lines)

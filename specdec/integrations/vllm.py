@@ -1,0 +1,245 @@
+"""specdec's learning-free drafters as vLLM speculative proposers (vLLM's ``custom_class`` hook).
+
+One line of configuration, no fork and no patch of vLLM::
+
+    LLM(model=..., speculative_config={"method": "custom_class", "num_speculative_tokens": 8,
+                                       "model": "specdec.integrations.vllm.PromptLookupProposer"})
+
+- :class:`PromptLookupProposer`: prompt lookup (``pld``), the continuation of the longest context
+  n-gram match, from :func:`specdec.kernels.ngram_match`.
+- :class:`NGrammysProposer`: N-Grammys' best chain, since vLLM verifies chains: a longest-suffix context
+  match, else the n-gram corpus, else a last-token match, else the model's bigram row.
+
+vLLM calls ``propose`` once per step for its whole batch; both proposers run the batch through one call
+of specdec's batched kernels. Each request's draft length is cost-aware (``"adaptive": true``, the
+default): per match kind, an acceptance model learned from vLLM's verification outcomes, and the step
+cost fitted to vLLM's own step times (:mod:`specdec.policies.batch_length`) decide how many tokens each
+request drafts, up to ``num_speculative_tokens``.
+
+Options come from the environment variable ``SPECDEC_VLLM_OPTIONS`` (a JSON object), since vLLM's
+speculative config takes no extra keys; unknown options fail at engine start. This module imports
+torch and specdec's kernels only: vLLM is not imported (the proposer reads the ``VllmConfig`` it is
+handed), and transformers only where the N-Grammys proposer first loads its tables.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+from specdec import kernels
+from specdec.drafters.base import DecodeState
+from specdec.policies.acceptance import AcceptanceModel
+from specdec.policies.batch_length import LinearStepCost, plan_lengths
+
+OPTIONS_ENV = "SPECDEC_VLLM_OPTIONS"
+
+
+def read_options(defaults: dict, nullable: frozenset = frozenset(), env: str = OPTIONS_ENV) -> dict:
+    """``defaults`` updated from the JSON object in ``$env``. A key not in ``defaults``, or a value of
+    another type than its default's (``null`` only for the keys in ``nullable``), is a ``ValueError``
+    that names the allowed options."""
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return dict(defaults)
+    try:
+        given = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"${env} must be a JSON object: {exc}") from exc
+    if not isinstance(given, dict):
+        raise ValueError(f"${env} must be a JSON object, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} in ${env}; allowed: {sorted(defaults)}")
+    for key, value in given.items():
+        want = type(defaults[key])
+        if value is None and key in nullable:
+            continue
+        if not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
+            raise ValueError(f"option {key!r} in ${env} must be {want.__name__}, got {value!r}")
+    return {**defaults, **given}
+
+
+class _ChainProposer:
+    """What both proposers share: vLLM's call convention, per-request lengths and their bookkeeping.
+
+    Subclasses implement :meth:`chains`: ``[R, w]`` drafts (-1 padded) and ``[R]`` int signals (the
+    match kind an acceptance model is kept for) for the ``R`` requests that draft this step.
+    """
+
+    DEFAULTS: dict = {"adaptive": True}
+    NULLABLE: frozenset = frozenset()
+
+    def __init__(self, vllm_config):
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
+        self.model_path = str(vllm_config.model_config.model)
+        self.tokenizer_path = str(getattr(vllm_config.model_config, "tokenizer", None) or self.model_path)
+        self.options = read_options(self.DEFAULTS, self.NULLABLE)
+        self.adaptive = bool(self.options["adaptive"])
+        self.acceptance = AcceptanceModel()
+        self.cost = LinearStepCost()
+        self._last: dict[int, tuple[int, int, int]] = {}  # row -> (num_tokens, drafted, signal)
+        self._last_tokens = 0  # tokens the previous step verified (its rows' 1 + drafts)
+        self._last_end: float | None = None
+        self.stats = {"steps": 0, "drafted": 0, "accepted": 0}
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM hands its target model here; the chain proposers draft without it."""
+
+    def chains(self, seq: torch.Tensor, lens: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _learn(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray, now: float) -> None:
+        """Fold the outcome of the step vLLM just ran into the acceptance model and the step cost."""
+        decoding = same = 0
+        for row, sampled in enumerate(sampled_token_ids):
+            if not sampled:
+                continue
+            decoding += 1
+            prev = self._last.get(row)
+            # The same request, one verification later: its length grew by exactly what it sampled.
+            if prev is None or int(num_tokens[row]) - len(sampled) != prev[0]:
+                continue
+            same += 1
+            _, drafted, signal = prev
+            accepted = min(len(sampled) - 1, drafted)
+            self.acceptance.update(signal, drafted, accepted)
+            self.stats["drafted"] += drafted
+            self.stats["accepted"] += accepted
+        # Time only steps that verified exactly the rows drafted for: one that also prefilled a request
+        # (a new row, or a row not decoding) costs far more than its decode tokens.
+        if self._last_end is not None and same == decoding == len(self._last) == len(sampled_token_ids) > 0:
+            self.cost.observe(self._last_tokens, now - self._last_end)
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings=None, **_) -> list[list[int]]:
+        """Draft tokens per request, as vLLM's ``NgramProposer.propose`` returns them.
+
+        sampled_token_ids: per batch row, the tokens vLLM sampled last step (empty: the row does not
+        decode now, e.g. a prefill in progress); num_tokens_no_spec: ``[>= B]`` tokens per row, those
+        included; token_ids_cpu: ``[>= B, max_model_len]`` int32 token ids. Returns ``B`` lists of at
+        most ``num_speculative_tokens`` ids."""
+        now = time.perf_counter()
+        if self.adaptive:
+            self._learn(sampled_token_ids, num_tokens_no_spec, now)
+        b = len(sampled_token_ids)
+        out: list[list[int]] = [[] for _ in range(b)]
+        lens_all = np.asarray(num_tokens_no_spec[:b], dtype=np.int64)
+        rows = [i for i in range(b) if sampled_token_ids[i] and 0 < lens_all[i] < self.max_model_len]
+        self._last = {}
+        if rows:
+            lens = lens_all[rows]
+            width = int(lens.max())
+            seq = torch.from_numpy(np.ascontiguousarray(token_ids_cpu[rows, :width], dtype=np.int64))
+            drafts, signals = self.chains(seq, torch.from_numpy(lens), self.k)
+            room = np.minimum(self.max_model_len - lens, self.k)
+            found = (drafts >= 0).sum(1).tolist()
+            drafted = [min(int(f), int(r)) for f, r in zip(found, room)]
+            signals = signals.tolist()
+            if self.adaptive:
+                reach = []
+                for n, s in zip(drafted, signals):
+                    beta, gamma = self.acceptance.params(s)
+                    reach.append([beta * gamma ** j for j in range(n)])
+                drafted = plan_lengths(reach, self.cost)
+            draft_rows = drafts.tolist()
+            for j, row in enumerate(rows):
+                out[row] = draft_rows[j][: drafted[j]]
+                self._last[row] = (int(lens[j]), drafted[j], signals[j])
+            self.stats["steps"] += 1
+        self._last_tokens = sum(1 + len(out[r]) for r in rows)
+        self._last_end = time.perf_counter()
+        return out
+
+
+class PromptLookupProposer(_ChainProposer):
+    """Prompt lookup: the continuation of the longest suffix n-gram (``n_min .. n_max`` tokens) that occurred
+    earlier in the request; the acceptance model is kept per matched n-gram size."""
+
+    DEFAULTS = {"adaptive": True, "n_min": 1, "n_max": 4}
+
+    def __init__(self, vllm_config):
+        super().__init__(vllm_config)
+        self.n_min, self.n_max = int(self.options["n_min"]), int(self.options["n_max"])
+        if not 1 <= self.n_min <= self.n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
+
+    def chains(self, seq, lens, w):
+        drafts, _, _, match_n = kernels.ngram_match(seq, lens, self.n_min, self.n_max, 1, w)
+        return drafts[:, 0], match_n.long()
+
+
+class NGrammysProposer(_ChainProposer):
+    """N-Grammys' best chain per request (:class:`specdec.drafters.ngrammys.NGrammysDrafter` with one slot):
+    a longest-suffix context match of ``q + 1 .. n_max`` tokens, else the n-gram corpus's continuation,
+    else a match of the last ``q`` tokens, else the model's extended bigram row. The acceptance model is
+    kept per source (which of those, and the match's length).
+
+    Options: ``corpus``: ``"auto"`` (the shipped corpus made for this tokenizer's vocabulary, if any), a
+    path to a corpus file (refused unless it was made for this vocabulary), or ``null``; ``bigram``: use
+    the model's bigram table (computed once from the model with transformers and cached under
+    ``$SPECDEC_CACHE/ngram_tables``); ``q``, ``n_max``: as in specdec's ``ngrammys``.
+    """
+
+    DEFAULTS = {"adaptive": True, "q": 1, "n_max": 4, "corpus": "auto", "bigram": True}
+    NULLABLE = frozenset({"corpus"})
+
+    def __init__(self, vllm_config):
+        super().__init__(vllm_config)
+        from specdec.drafters.ngrammys import NGrammysDrafter
+
+        o = self.options
+        tables = self._tables() if o["bigram"] else None
+        corpus = self._corpus(o["corpus"])
+        self.drafter = NGrammysDrafter(tables, k=1, w=self.k, q=int(o["q"]), n_max=int(o["n_max"]),
+                                       strategy="mixed" if tables is not None else "context", verify="chain",
+                                       corpus=corpus, c=1 if corpus is not None else 0)
+
+    def _tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_path)
+
+    def _corpus(self, spec):
+        from specdec.ngram_corpus import NGramCorpus, shipped_corpus, vocab_fingerprint
+
+        if spec is None:
+            return None
+        tok = self._tokenizer()
+        if spec == "auto":
+            corpus = shipped_corpus(tok)
+        else:
+            corpus = NGramCorpus.load(spec)
+            made_for = corpus.meta.get("vocab_fingerprint")
+            if made_for != vocab_fingerprint(tok):
+                raise ValueError(f"the n-gram corpus {spec} was made for another vocabulary than "
+                                 f"{self.tokenizer_path}'s tokenizer: make one for this model")
+        if corpus is not None and corpus.vocab != self.vocab_size:
+            raise ValueError(f"the n-gram corpus has a vocabulary of {corpus.vocab} tokens, the model "
+                             f"{self.vocab_size}")
+        return corpus
+
+    def _tables(self):
+        from transformers import AutoModelForCausalLM
+
+        from specdec.hub import tables_cache_dir
+        from specdec.ngram_tables import load_tables
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        vocab = model.get_output_embeddings().weight.shape[0]
+        tables = load_tables(model, tables_cache_dir(), k_max=min(32, vocab), progress=False)
+        del model
+        if tables.bigram.shape[0] < self.vocab_size:
+            raise ValueError(f"the bigram table covers {tables.bigram.shape[0]} tokens, the model {self.vocab_size}")
+        return tables
+
+    def chains(self, seq, lens, w):
+        state = DecodeState(seq, lens, lens.tolist())
+        drafts, source, _ = self.drafter.drafts(state, w)
+        return drafts[:, 0], source[:, 0]

@@ -1,0 +1,148 @@
+"""vLLM as a peer of ``specdec bench``: vLLM without speculation, with its own n-gram proposer, and with
+specdec's proposers, over the same prompts and token budget, greedy, written in ``specdec bench``'s JSON
+schema (``python -m bench.report`` reads it beside specdec's own files).
+
+Run it with the vLLM environment's Python (``make vllm`` builds ``.venv-vllm``)::
+
+    .venv-vllm/bin/python -m specdec.integrations.vllm_bench --prompts bench/dev_prompts.jsonl \\
+        --concurrency 16 --max-new-tokens 128 --dtype bf16 --json vllm_c16.json
+
+Methods: ``vllm`` (no speculation; the reference for speed and identity), ``vllm-ngram`` (vLLM's
+``NgramProposer``), ``vllm-suffix`` (vLLM's suffix decoding, where its package installs),
+``vllm-specdec-pld`` and ``vllm-specdec-ngrammys`` (:mod:`specdec.integrations.vllm`). The methods run
+one after another, each on its own engine (vLLM's CPU engines, several started in one process, either
+slow each other down or fail to start), so drift in machine speed between methods is not cancelled:
+compare methods of one file. Prompts go in groups of ``--concurrency`` requests, submitted together.
+A group's wall time is split over its requests by their new tokens, so a method's summed seconds are
+its wall time and its tokens per second the group's throughput. ``target_calls`` per request is
+``new_tokens - accepted`` (each engine step emits one token plus the accepted drafts); drafted and
+accepted tokens come from vLLM's spec-decode counters per group, split the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+
+METHODS = ("vllm", "vllm-ngram", "vllm-suffix", "vllm-specdec-pld", "vllm-specdec-ngrammys")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def speculative_config(method: str, k: int) -> dict | None:
+    """vLLM's ``speculative_config`` for a bench method (``k`` draft tokens at most)."""
+    if method == "vllm":
+        return None
+    if method == "vllm-ngram":  # the same n-gram sizes as specdec's pld
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    if method == "vllm-suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
+    if method == "vllm-specdec-pld":
+        return {"method": "custom_class", "num_speculative_tokens": k,
+                "model": "specdec.integrations.vllm.PromptLookupProposer"}
+    if method == "vllm-specdec-ngrammys":
+        return {"method": "custom_class", "num_speculative_tokens": k,
+                "model": "specdec.integrations.vllm.NGrammysProposer"}
+    raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+
+
+def _spec_counters(llm) -> tuple[int, int]:
+    """(draft tokens, accepted tokens) so far, from vLLM's metrics (0, 0 without speculation)."""
+    drafted = accepted = 0
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_draft_tokens":
+            drafted += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted += int(m.value)
+    return drafted, accepted
+
+
+def run(args) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from specdec.hub import resolve
+    from specdec.prompts import TokenizerEncoder, read_prompts
+
+    labels = ["vllm"] + [m for m in args.methods.split(",") if m and m != "vllm"]
+    for m in labels:
+        speculative_config(m, args.k)  # unknown names fail before any engine starts
+    path = str(resolve(args.model))
+    prompts = read_prompts(args.prompts, TokenizerEncoder(AutoTokenizer.from_pretrained(path)), args.limit)
+    longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + args.k + 1
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    groups = [prompts[i: i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
+    runs, reference = [], {}
+    for m in labels:  # one engine at a time (see the module docstring)
+        llm = LLM(model=path, dtype=DTYPES[args.dtype], max_model_len=max(longest, 256), enforce_eager=True,
+                  max_num_seqs=args.concurrency, speculative_config=speculative_config(m, args.k),
+                  disable_log_stats=False, seed=0)
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[0].ids)], SamplingParams(temperature=0.0, max_tokens=8),
+                     use_tqdm=False)  # warm-up: first calls pay for lazy initialisation
+        for g, group in enumerate(groups):
+            d0, a0 = _spec_counters(llm)
+            t0 = time.perf_counter()
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p.ids) for p in group], sp, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            d1, a1 = _spec_counters(llm)
+            toks = [list(o.outputs[0].token_ids) for o in outs]
+            total = sum(len(t) for t in toks) or 1
+            for p, t in zip(group, toks):
+                share = len(t) / total
+                drafted, accepted = round((d1 - d0) * share), round((a1 - a0) * share)
+                runs.append({"method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(t),
+                             "seconds": seconds * share, "prefill_seconds": None,
+                             "target_calls": max(1, len(t) - accepted), "draft_calls": 0, "compiled_target_calls": 0,
+                             "drafted_tokens": drafted if m != "vllm" else None,
+                             "accepted_tokens": accepted if m != "vllm" else None,
+                             "drafter": None, "chunks": None, "memory_estimate": None,
+                             "identical_to_reference": None, "_tokens": t})
+                if m == "vllm":
+                    reference[p.id] = t
+        print(f"{m}: {len(groups)} groups done", flush=True)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    for r in runs:
+        r["identical_to_reference"] = r.pop("_tokens") == reference[r["prompt_id"]]
+    import torch
+    import vllm
+
+    from specdec.bench_summary import summarize
+
+    config = {"engine": "vllm", "vllm": vllm.__version__, "model": args.model, "dtype": args.dtype,
+              "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "concurrency": args.concurrency,
+              "num_speculative_tokens": args.k, "specdec_vllm_options": os.environ.get("SPECDEC_VLLM_OPTIONS"),
+              "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+              "python": platform.python_version(), "machine": platform.machine()}
+    return {"config": config, "runs": runs, "summary": summarize(runs, reference="vllm")}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="model name or transformers folder")
+    p.add_argument("--prompts", required=True, help="JSON lines with id, category, chat, prompt")
+    p.add_argument("--methods", default=",".join(m for m in METHODS if m != "vllm-suffix"))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--concurrency", type=int, default=1, help="requests submitted together (vLLM's max_num_seqs)")
+    p.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every speculative method")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--json", default=None, metavar="OUT")
+    args = p.parse_args(argv)
+    if args.concurrency < 1 or args.k < 1 or args.max_new_tokens < 1:
+        p.error("--concurrency, --k and --max-new-tokens must be >= 1")
+    result = run(args)
+    from specdec.bench_summary import format_table
+
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Per-request draft lengths for an engine that verifies a whole batch of chains in one step.
+
+An engine such as vLLM runs every request's ``1 + drafted`` tokens in one forward, so a step's cost
+grows with the batch's total token count ``T``, not with any one request's length. :class:`LinearStepCost`
+fits ``c(T) = a + b T`` to the engine's measured step times; :func:`plan_lengths` then keeps, across all
+requests, the draft tokens most likely to be accepted, as many as raise the batch's expected tokens per
+second. A chain's tokens are reached with falling probability, so the kept set is a prefix of every chain.
+"""
+from __future__ import annotations
+
+
+class LinearStepCost:
+    """``c(T) = a + b T`` seconds for a step over ``T`` tokens, fitted by exponentially weighted least squares.
+
+    ``decay`` weights recent steps more (the engine's load changes); until the observations span at least
+    ``min_spread`` tokens the slope is unknown and :attr:`ready` is False."""
+
+    def __init__(self, decay: float = 0.98, min_spread: float = 2.0):
+        self.decay, self.min_spread = decay, min_spread
+        self._s = [0.0] * 5  # weight, sum T, sum T^2, sum c, sum T c
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d, s = self.decay, self._s
+        for i, v in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
+            s[i] = d * s[i] + v
+
+    @property
+    def ready(self) -> bool:
+        w, st, stt = self._s[:3]
+        return w > 0 and (stt / w - (st / w) ** 2) >= self.min_spread ** 2
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(a, b)``; ``b`` is clamped at 0 (a step over more tokens never costs less) and ``a`` above 0."""
+        w, st, stt, sc, stc = self._s
+        if w == 0:
+            return 1.0, 0.0
+        mean_t, mean_c = st / w, sc / w
+        var = stt / w - mean_t ** 2
+        b = max(0.0, (stc / w - mean_t * mean_c) / var) if var > 1e-9 else 0.0
+        a = max(mean_c - b * mean_t, 1e-6)
+        return a, b
+
+
+def plan_lengths(reach: list[list[float]], cost: LinearStepCost) -> list[int]:
+    """How many draft tokens each request verifies this step.
+
+    reach: per request, the probability that each of its draft tokens is accepted (non-increasing along a
+    chain; an empty list for a request without a draft). Returns per request ``n`` in ``[0, len(reach[i])]``
+    maximising ``(B + sum of kept reach) / c(B + sum n)``; without a fitted cost every draft token is kept.
+    """
+    if not cost.ready:
+        return [len(r) for r in reach]
+    a, b = cost.coefficients()
+    tokens = [(p, i) for i, row in enumerate(reach) for p in row]
+    tokens.sort(key=lambda x: -x[0])  # stable: equal reach keeps chain order, so prefixes stay prefixes
+    n_rows = len(reach)
+    expected, best_rate, best_k = float(n_rows), n_rows / (a + b * n_rows), 0
+    for k, (p, _) in enumerate(tokens, start=1):
+        expected += p
+        rate = expected / (a + b * (n_rows + k))
+        if rate > best_rate:
+            best_rate, best_k = rate, k
+    out = [0] * n_rows
+    for _, i in tokens[:best_k]:
+        out[i] += 1
+    return out

@@ -1,0 +1,163 @@
+"""specdec's vLLM proposers without vLLM: the call convention vLLM 0.32 uses for ``custom_class``
+proposers, fed from numpy arrays laid out as vLLM's input batch lays them out.
+
+The end-to-end check inside vLLM's CPU engine is ``tests/vllm/test_vllm_engine.py`` (its own venv)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import kernels
+from specdec.integrations.vllm import NGrammysProposer, PromptLookupProposer, read_options
+from specdec.policies.batch_length import LinearStepCost, plan_lengths
+
+
+def vllm_config(k=4, max_model_len=64, vocab=96, model="unused", max_num_seqs=8):
+    """The attributes of vLLM's ``VllmConfig`` the proposers read."""
+    mc = SimpleNamespace(max_model_len=max_model_len, model=model, tokenizer=model, get_vocab_size=lambda: vocab)
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k), model_config=mc,
+                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+
+
+def batch(rows: list[list[int]], max_model_len=64, max_num_seqs=8):
+    """vLLM's ``token_ids_cpu [max_num_seqs, max_model_len] int32`` and ``num_tokens_no_spec``."""
+    ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+    n = np.zeros(max_num_seqs, dtype=np.int32)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+        n[i] = len(r)
+    return ids, n
+
+
+ROWS = [[5, 6, 7, 8, 9, 5, 6, 7], [1, 2, 3, 1, 2], [4, 4, 4, 4], [10, 11, 12]]
+
+
+def test_prompt_lookup_matches_the_kernel(monkeypatch):
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"adaptive": False}))
+    p = PromptLookupProposer(vllm_config(k=4))
+    ids, n = batch(ROWS)
+    out = p.propose([[r[-1]] for r in ROWS], n, ids)
+    seq = torch.tensor([r + [0] * (8 - len(r)) for r in ROWS])
+    drafts, _, _, _ = kernels.ngram_match(seq, torch.tensor([len(r) for r in ROWS]), 1, 4, 1, 4)
+    want = [[t for t in d if t >= 0] for d in drafts[:, 0].tolist()]
+    assert out == want
+    assert out[0] == [8, 9, 5, 6] and out[3] == []
+
+
+def test_rows_that_do_not_decode_get_no_draft(monkeypatch):
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"adaptive": False}))
+    p = PromptLookupProposer(vllm_config(k=4, max_model_len=10))
+    ids, n = batch(ROWS, max_model_len=10)
+    out = p.propose([[7], [], [4], [12]], n, ids)
+    assert out[1] == []  # a prefill in progress
+    assert out[0] == [8, 9]  # cut at max_model_len (8 tokens + 2)
+    assert len(out) == 4
+
+
+def test_ngrammys_chain_is_the_drafters_first_slot(monkeypatch):
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"adaptive": False, "corpus": None, "bigram": False}))
+    p = NGrammysProposer(vllm_config(k=3))
+    ids, n = batch(ROWS)
+    out = p.propose([[r[-1]] for r in ROWS], n, ids)
+    assert out[0] == [8, 9, 5]  # the longest-suffix match
+    assert out[1] == [3, 1, 2]
+    assert out[3] == []  # no match, no bigram table
+
+
+def test_ngrammys_reads_the_bigram_table(monkeypatch):
+    from specdec.ngram_tables import NGramTables
+
+    vocab = 16
+    bigram = (torch.arange(vocab)[:, None] + torch.arange(1, 5)[None]) % vocab  # x -> x+1, x+2, ...
+    monkeypatch.setattr(NGrammysProposer, "_tables", lambda self: NGramTables(bigram, torch.arange(vocab)))
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"adaptive": False, "corpus": None}))
+    p = NGrammysProposer(vllm_config(k=3, vocab=vocab))
+    ids, n = batch([[10, 11, 12]])
+    assert p.propose([[12]], n, ids) == [[13, 14, 15]]  # no context match: the extended bigram row
+
+
+def test_adaptive_lengths_learn_from_outcomes(monkeypatch):
+    monkeypatch.delenv("SPECDEC_VLLM_OPTIONS", raising=False)
+    p = PromptLookupProposer(vllm_config(k=8, max_model_len=256))
+    rows = [[1, 2, 3, 4] * 6, [7, 8, 9] * 8]
+    ids, n = batch(rows, max_model_len=256)
+    first = p.propose([[r[-1]] for r in rows], n, ids)
+    assert [len(d) for d in first] == [8, 8]  # no step cost fitted yet: every draft token
+    # vLLM accepted all of row 0's drafts and none of row 1's: lengths grow by what was sampled
+    drafted = accepted = 0
+    for step in range(12):
+        sampled = []
+        drafted += sum(len(d) for d in first)
+        accepted += len(first[0])
+        for i, (r, d) in enumerate(zip(rows, first)):
+            new = d + [r[len(r) % 4]] if i == 0 else [99]
+            r.extend(new)
+            sampled.append(new)
+        ids, n = batch(rows, max_model_len=256)
+        first = p.propose(sampled, n, ids)
+    assert p.stats["drafted"] == drafted and p.stats["accepted"] == accepted > 0
+
+
+def test_bad_options_fail_at_start(monkeypatch):
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"n_mx": 3}))
+    with pytest.raises(ValueError, match="unknown option.*n_mx.*allowed"):
+        PromptLookupProposer(vllm_config())
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"n_min": 3, "n_max": 2}))
+    with pytest.raises(ValueError, match="n_min <= n_max"):
+        PromptLookupProposer(vllm_config())
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"n_max": "4"}))
+    with pytest.raises(ValueError, match="must be int"):
+        PromptLookupProposer(vllm_config())
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", "[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        PromptLookupProposer(vllm_config())
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"c": None}))
+    assert read_options({"a": 1, "c": "x"}, frozenset({"c"})) == {"a": 1, "c": None}
+
+
+def test_corpus_of_another_vocabulary_is_refused(monkeypatch, tmp_path):
+    from transformers import AutoTokenizer
+
+    from specdec.hub import resolve, tokenizer_path
+    from specdec.ngram_corpus import NGramCorpus
+
+    corpus = NGramCorpus.build([[1, 2, 3, 4, 5]], 96, meta={"vocab_fingerprint": "not-this-one"})
+    path = tmp_path / "c.pt"
+    corpus.save(path)
+    try:
+        model = str(tokenizer_path(resolve("smollm2")))
+        AutoTokenizer.from_pretrained(model)
+    except Exception as exc:  # the embedded model's package is part of `make setup`
+        pytest.fail(f"embedded model unavailable: {exc}")
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"corpus": str(path), "bigram": False}))
+    with pytest.raises(ValueError, match="another vocabulary"):
+        NGrammysProposer(vllm_config(model=model, vocab=49152))
+
+
+def test_step_cost_fit_and_plan():
+    cost = LinearStepCost()
+    assert plan_lengths([[0.9, 0.5], []], cost) == [2, 0]  # not fitted: everything
+    for t in range(2, 30):
+        cost.observe(t, 0.010 + 0.002 * t)
+    a, b = cost.coefficients()
+    assert abs(a - 0.010) < 1e-6 and abs(b - 0.002) < 1e-6
+    # a token is worth its 0.002 s when its reach beats the rate so far
+    out = plan_lengths([[0.95, 0.9, 0.85, 0.1, 0.05], [0.2, 0.1]], cost)
+    assert out[0] == 3 and out[1] <= 1
+    flat = LinearStepCost()
+    for t in range(2, 30):
+        flat.observe(t, 0.010)
+    assert plan_lengths([[0.3] * 5, [0.01]], flat) == [5, 1]  # free tokens are always worth verifying
+
+
+def test_module_imports_without_transformers_or_vllm():
+    code = "import specdec.integrations.vllm, sys; print(' '.join(sys.modules))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                timeout=300).stdout.split())
+    assert "transformers" not in loaded and "vllm" not in loaded
