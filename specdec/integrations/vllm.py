@@ -211,10 +211,14 @@ class NGrammysProposer(_ChainProposer):
 
         if spec is None:
             return None
-        tok = self._tokenizer()
         if spec == "auto":
+            try:
+                tok = self._tokenizer()
+            except (OSError, ValueError):  # a model without a tokenizer has no shipped corpus
+                return None
             corpus = shipped_corpus(tok)
         else:
+            tok = self._tokenizer()
             corpus = NGramCorpus.load(spec)
             made_for = corpus.meta.get("vocab_fingerprint")
             if made_for != vocab_fingerprint(tok):

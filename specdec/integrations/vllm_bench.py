@@ -27,6 +27,8 @@ import os
 import platform
 import time
 
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache; vLLM's default asks for 92% of the memory
+
 METHODS = ("vllm", "vllm-ngram", "vllm-suffix", "vllm-specdec-pld", "vllm-specdec-ngrammys")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
