@@ -9,10 +9,10 @@ Run it with the vLLM environment's Python (``make vllm`` builds ``.venv-vllm``):
 
 Methods: ``vllm`` (no speculation; the reference for speed and identity), ``vllm-ngram`` (vLLM's
 ``NgramProposer``), ``vllm-suffix`` (vLLM's suffix decoding, where its package installs),
-``vllm-specdec-pld`` and ``vllm-specdec-ngrammys`` (:mod:`specdec.integrations.vllm`). The methods run
-one after another, each on its own engine (vLLM's CPU engines, several started in one process, either
-slow each other down or fail to start), so drift in machine speed between methods is not cancelled:
-compare methods of one file. Prompts go in groups of ``--concurrency`` requests, submitted together.
+``vllm-specdec-pld`` and ``vllm-specdec-ngrammys`` (:mod:`specdec.integrations.vllm`). Every method
+has its own engine (each in its own processes, as vLLM starts them; an idle one takes no CPU), and the
+methods take turns: prompts go in groups of ``--concurrency`` requests, submitted together, and the order
+of methods rotates from group to group, so drift in machine speed does not favour one method.
 A group's wall time is split over its requests by their new tokens, so a method's summed seconds are
 its wall time and its tokens per second the group's throughput. ``target_calls`` per request is
 ``new_tokens - accepted`` (each engine step emits one token plus the accepted drafts); drafted and
@@ -21,7 +21,6 @@ accepted tokens come from vLLM's spec-decode counters per group, split the same 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -51,13 +50,20 @@ def speculative_config(method: str, k: int) -> dict | None:
 
 
 def _spec_counters(llm) -> tuple[int, int]:
-    """(draft tokens, accepted tokens) so far, from vLLM's metrics (0, 0 without speculation)."""
+    """(draft tokens, accepted tokens) this engine has verified so far, or (0, 0) without speculation.
+
+    Read from the engine's own Prometheus logger objects: ``LLM.get_metrics`` reads the process-wide
+    registry, which holds only the last engine started (each new engine unregisters the others')."""
     drafted = accepted = 0
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_draft_tokens":
-            drafted += int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            accepted += int(m.value)
+    manager = getattr(llm.llm_engine, "logger_manager", None)
+    for logger in getattr(manager, "stat_loggers", []):
+        prom = getattr(logger, "spec_decoding_prom", None)
+        if prom is None or not getattr(prom, "spec_decoding_enabled", False):
+            continue
+        for counter in prom.counter_spec_decode_num_draft_tokens.values():
+            drafted += int(counter._value.get())
+        for counter in prom.counter_spec_decode_num_accepted_tokens.values():
+            accepted += int(counter._value.get())
     return drafted, accepted
 
 
@@ -77,14 +83,17 @@ def run(args) -> dict:
     longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + args.k + 1
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     groups = [prompts[i: i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
-    runs, reference = [], {}
-    for m in labels:  # one engine at a time (see the module docstring)
-        llm = LLM(model=path, dtype=DTYPES[args.dtype], max_model_len=max(longest, 256), enforce_eager=True,
-                  max_num_seqs=args.concurrency, speculative_config=speculative_config(m, args.k),
-                  disable_log_stats=False, seed=0)
+    engines = {m: LLM(model=path, dtype=DTYPES[args.dtype], max_model_len=max(longest, 256), enforce_eager=True,
+                      max_num_seqs=args.concurrency, speculative_config=speculative_config(m, args.k),
+                      disable_log_stats=False, seed=0) for m in labels}
+    for llm in engines.values():  # warm-up: first calls pay for lazy initialisation
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0].ids)], SamplingParams(temperature=0.0, max_tokens=8),
-                     use_tqdm=False)  # warm-up: first calls pay for lazy initialisation
-        for g, group in enumerate(groups):
+                     use_tqdm=False)
+    runs, reference = [], {}
+    for g, group in enumerate(groups):
+        order = labels[g % len(labels):] + labels[: g % len(labels)]
+        for m in order:
+            llm = engines[m]
             d0, a0 = _spec_counters(llm)
             t0 = time.perf_counter()
             outs = llm.generate([TokensPrompt(prompt_token_ids=p.ids) for p in group], sp, use_tqdm=False)
@@ -104,10 +113,9 @@ def run(args) -> dict:
                              "identical_to_reference": None, "_tokens": t})
                 if m == "vllm":
                     reference[p.id] = t
-        print(f"{m}: {len(groups)} groups done", flush=True)
+        print(f"group {g + 1}/{len(groups)} done", flush=True)
+    for llm in engines.values():
         llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
     for r in runs:
         r["identical_to_reference"] = r.pop("_tokens") == reference[r["prompt_id"]]
     import torch
