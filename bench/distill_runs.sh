@@ -4,6 +4,8 @@
 # it); the target's hidden states are computed once into $SPECDEC_CACHE/features (outside the repository).
 #   bash bench/distill_runs.sh main     # the shipped drafts: both kinds on the whole corpus
 #   bash bench/distill_runs.sh shapes   # draft shapes and the data-size curve, on seeded subsets
+#   bash bench/distill_runs.sh gpu      # the same on one GPU, nine runs at once for MINUTES (5.5) each: the
+#                                       # shipped smollm2-eagle is its "eagle" (H100, bench/RESULTS.md)
 # Drafts land in ${RUNS:-/tmp/distill_runs}/NAME, their logs in .../w_NAME/log.jsonl.
 set -euo pipefail
 R=${RUNS:-/tmp/distill_runs}
@@ -28,4 +30,15 @@ case ${1:-main} in
     run eagle-250k $S --layers 29 & run eagle-250k-unroll2 $S --layers 29 --unroll 2 & wait
     run eagle-250k-2layer $S --layers 28,29 & run eagle-250k-v16k $S --layers 29 --draft-vocab 16384 & wait
     run eagle-250k-topk8 $S --layers 29 --labels topk:8 & run eagle-60k ${S/250000/60000} --layers 29 & wait ;;
+  gpu)  # no feature cache: the teacher runs on the GPU at every step; one torch thread per run (16 cores)
+    G="--target smollm2 --corpus $C --device cuda --threads 1 --max-tokens 16384 --steps 100000 \
+      --train-minutes ${MINUTES:-5.5} --eval-every 250 --eval-positions 20000 --patience 5 --held-out 0.03 --seed 0"
+    grun() { name=$1; shift; python -m specdec distill $G --out $R/$name --work $R/w_$name "$@" > $R/$name.log 2>&1; }
+    grun eagle --arch eagle --layers 29 --lr 1e-3 & grun layers --arch layers --layers 0,29 --lr 3e-4 &
+    grun eagle-unroll2 --arch eagle --layers 29 --lr 1e-3 --unroll 2 &
+    grun eagle-2layer --arch eagle --layers 28,29 --lr 1e-3 &
+    grun eagle-v16k --arch eagle --layers 29 --lr 1e-3 --draft-vocab 16384 &
+    grun eagle-topk8 --arch eagle --layers 29 --lr 1e-3 --labels topk:8 &
+    for n in 250000 500000 1000000; do grun eagle-$n --arch eagle --layers 29 --lr 1e-3 --max-positions $n & done
+    wait ;;
 esac
