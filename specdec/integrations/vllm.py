@@ -24,6 +24,7 @@ handed), and transformers only where the N-Grammys proposer first loads its tabl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -36,6 +37,9 @@ from specdec.policies.acceptance import AcceptanceModel
 from specdec.policies.batch_length import LinearStepCost, plan_lengths
 
 OPTIONS_ENV = "SPECDEC_VLLM_OPTIONS"
+# A child of vLLM's own logger, so its lines appear where vLLM's do, in whichever process runs the proposer.
+log = logging.getLogger("vllm.specdec")
+LOG_EVERY = 500  # steps between the proposer's progress lines (level INFO)
 
 
 def read_options(defaults: dict, nullable: frozenset = frozenset(), env: str = OPTIONS_ENV) -> dict:
@@ -153,6 +157,12 @@ class _ChainProposer:
                 out[row] = draft_rows[j][: drafted[j]]
                 self._last[row] = (int(lens[j]), drafted[j], signals[j])
             self.stats["steps"] += 1
+            self.stats["rows"] = self.stats.get("rows", 0) + len(rows)
+            self.stats["proposed"] = self.stats.get("proposed", 0) + sum(drafted)
+            if self.stats["steps"] % LOG_EVERY == 0:
+                a, b = self.cost.coefficients()
+                log.info("specdec %s: %s; step cost %.1f ms + %.2f ms/token (fitted: %s)", type(self).__name__,
+                         self.stats, 1e3 * a, 1e3 * b, self.cost.ready)
         self._last_tokens = sum(1 + len(out[r]) for r in rows)
         self._last_end = time.perf_counter()
         return out
