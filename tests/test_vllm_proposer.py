@@ -161,3 +161,15 @@ def test_module_imports_without_transformers_or_vllm():
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                 timeout=300).stdout.split())
     assert "transformers" not in loaded and "vllm" not in loaded
+
+
+def test_bench_methods_map_to_vllm_configs():
+    from specdec.integrations.vllm_bench import METHODS, speculative_config
+
+    assert speculative_config("vllm", 8) is None
+    assert speculative_config("vllm-ngram", 5)["num_speculative_tokens"] == 5
+    for m in METHODS[1:]:
+        assert speculative_config(m, 4)["num_speculative_tokens"] == 4
+    assert speculative_config("vllm-specdec-pld", 4)["model"].endswith("PromptLookupProposer")
+    with pytest.raises(ValueError, match="unknown method"):
+        speculative_config("vllm-medusa", 4)

@@ -2,9 +2,10 @@
 specdec's proposers, over the same prompts and token budget, greedy, written in ``specdec bench``'s JSON
 schema (``python -m bench.report`` reads it beside specdec's own files).
 
-Run it with the vLLM environment's Python (``make vllm`` builds ``.venv-vllm``)::
+Run it with the vLLM environment's Python (``make vllm`` builds ``.venv-vllm``), Intel's OpenMP preloaded
+as vLLM's CPU build asks for speculative decoding::
 
-    .venv-vllm/bin/python -m specdec.integrations.vllm_bench --prompts bench/dev_prompts.jsonl \\
+    LD_PRELOAD=$(ls .venv-vllm/lib/libiomp5.so) .venv-vllm/bin/python -m specdec.integrations.vllm_bench --prompts bench/dev_prompts.jsonl \\
         --concurrency 16 --max-new-tokens 128 --dtype bf16 --json vllm_c16.json
 
 Methods: ``vllm`` (no speculation; the reference for speed and identity), ``vllm-ngram`` (vLLM's
@@ -25,8 +26,6 @@ import json
 import os
 import platform
 import time
-
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache; vLLM's default asks for 92% of the memory
 
 METHODS = ("vllm", "vllm-ngram", "vllm-suffix", "vllm-specdec-pld", "vllm-specdec-ngrammys")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -85,7 +84,7 @@ def run(args) -> dict:
     groups = [prompts[i: i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
     engines = {m: LLM(model=path, dtype=DTYPES[args.dtype], max_model_len=max(longest, 256), enforce_eager=True,
                       max_num_seqs=args.concurrency, speculative_config=speculative_config(m, args.k),
-                      disable_log_stats=False, seed=0) for m in labels}
+                      disable_log_stats=False, seed=0, kv_cache_memory_bytes=args.kv_cache_mib << 20) for m in labels}
     for llm in engines.values():  # warm-up: first calls pay for lazy initialisation
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0].ids)], SamplingParams(temperature=0.0, max_tokens=8),
                      use_tqdm=False)
@@ -126,6 +125,7 @@ def run(args) -> dict:
     config = {"engine": "vllm", "vllm": vllm.__version__, "model": args.model, "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "concurrency": args.concurrency,
               "num_speculative_tokens": args.k, "specdec_vllm_options": os.environ.get("SPECDEC_VLLM_OPTIONS"),
+              "ld_preload": os.environ.get("LD_PRELOAD"), "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
               "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
               "python": platform.python_version(), "machine": platform.machine()}
     return {"config": config, "runs": runs, "summary": summarize(runs, reference="vllm")}
@@ -140,11 +140,13 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--concurrency", type=int, default=1, help="requests submitted together (vLLM's max_num_seqs)")
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every speculative method")
+    p.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache per engine (vLLM's CPU default takes "
+                   "92%% of the memory; every method has an engine)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
-    if args.concurrency < 1 or args.k < 1 or args.max_new_tokens < 1:
-        p.error("--concurrency, --k and --max-new-tokens must be >= 1")
+    if min(args.concurrency, args.k, args.max_new_tokens, args.kv_cache_mib) < 1:
+        p.error("--concurrency, --k, --max-new-tokens and --kv-cache-mib must be >= 1")
     result = run(args)
     from specdec.bench_summary import format_table
 
