@@ -91,7 +91,7 @@ class _ChainProposer:
         self._last: dict[int, tuple[int, int, int]] = {}  # row -> (num_tokens, drafted, signal)
         self._last_tokens = 0  # tokens the previous step verified (its rows' 1 + drafts)
         self._last_end: float | None = None
-        self.stats = {"steps": 0, "drafted": 0, "accepted": 0}
+        self.stats = {"steps": 0, "rows": 0, "proposed": 0, "drafted": 0, "accepted": 0}
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM hands its target model here; the chain proposers draft without it."""
@@ -157,8 +157,8 @@ class _ChainProposer:
                 out[row] = draft_rows[j][: drafted[j]]
                 self._last[row] = (int(lens[j]), drafted[j], signals[j])
             self.stats["steps"] += 1
-            self.stats["rows"] = self.stats.get("rows", 0) + len(rows)
-            self.stats["proposed"] = self.stats.get("proposed", 0) + sum(drafted)
+            self.stats["rows"] += len(rows)
+            self.stats["proposed"] += sum(drafted)
             if self.stats["steps"] % LOG_EVERY == 0:
                 a, b = self.cost.coefficients()
                 log.info("specdec %s: %s; step cost %.1f ms + %.2f ms/token (fitted: %s)", type(self).__name__,
