@@ -50,11 +50,12 @@ def summarize(runs: list[dict], reference: str = "hf") -> dict:
 
 def format_table(result: dict) -> str:
     """The summary as a fixed-width text table."""
-    head = f"{'method':<12}{'tok/s':>9}{'speedup':>9}{'tok/call':>10}{'accept':>8}{'identical':>11}"
+    w = max([12] + [len(m) + 1 for m in result["summary"]])
+    head = f"{'method':<{w}}{'tok/s':>9}{'speedup':>9}{'tok/call':>10}{'accept':>8}{'identical':>11}"
     lines = [head, "-" * len(head)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for m, s in result["summary"].items():
-        lines.append(f"{m:<12}{s['tokens_per_second']:>9.1f}{fmt(s['speedup'], '.2f') + 'x':>9}"
+        lines.append(f"{m:<{w}}{s['tokens_per_second']:>9.1f}{fmt(s['speedup'], '.2f') + 'x':>9}"
                      f"{fmt(s['tokens_per_call'], '.2f'):>10}{fmt(s['accept_rate'], '.2f'):>8}"
                      f"{fmt(s['identical_rate'], '.0%'):>11}")
     return "\n".join(lines)

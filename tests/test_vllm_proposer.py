@@ -173,3 +173,31 @@ def test_bench_methods_map_to_vllm_configs():
     assert speculative_config("vllm-specdec-pld", 4)["model"].endswith("PromptLookupProposer")
     with pytest.raises(ValueError, match="unknown method"):
         speculative_config("vllm-medusa", 4)
+
+
+def test_bench_engine_labels():
+    from specdec.integrations.vllm_bench import _engine_method
+
+    assert _engine_method("vllm-ngram") is None
+    assert _engine_method("specdec-ngrammys") == "ngrammys"
+    with pytest.raises(ValueError, match="unknown specdec method"):
+        _engine_method("specdec-medusa")
+    with pytest.raises(ValueError, match="needs a draft"):
+        _engine_method("specdec-sd")
+
+
+def test_bench_engine_group_is_one_batch_on_one_thread(monkeypatch):
+    from tests.conftest import tiny_model
+
+    from specdec.api import SpecDecoder
+    from specdec.integrations.vllm_bench import _run_engine
+
+    dec = SpecDecoder(tiny_model("llama"), corpus=None)
+    group = [SimpleNamespace(ids=[5, 6, 7, 5, 6, 7, 5, 6]), SimpleNamespace(ids=[9, 3, 9, 3])]
+    seen = []
+    monkeypatch.setattr(dec, "generate_ids", lambda prompts, method, n, _orig=dec.generate_ids:
+                        seen.append(torch.get_num_threads()) or _orig(prompts, method, n))
+    threads = torch.get_num_threads()
+    toks, seconds, drafted, accepted = _run_engine(dec, "pld", group, 12)
+    assert seen == [1] and torch.get_num_threads() == threads and seconds > 0 and 0 <= accepted <= drafted
+    assert toks == dec.generate_ids([g.ids for g in group], "ar", 12).tokens  # lossless, one batch

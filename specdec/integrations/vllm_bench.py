@@ -10,7 +10,11 @@ as vLLM's CPU build asks for speculative decoding::
 
 Methods: ``vllm`` (no speculation; the reference for speed and identity), ``vllm-ngram`` (vLLM's
 ``NgramProposer``), ``vllm-suffix`` (vLLM's suffix decoding, where its package installs),
-``vllm-specdec-pld`` and ``vllm-specdec-ngrammys`` (:mod:`specdec.integrations.vllm`). Every method
+``vllm-specdec-pld`` and ``vllm-specdec-ngrammys`` (:mod:`specdec.integrations.vllm`), and specdec's own
+engine as a peer: ``specdec-NAME`` runs the registered method ``NAME`` (``specdec-ar``, ``specdec-pld``,
+``specdec-ngrammys``, ...) in this process on one thread (vLLM's CPU worker computes on one core too), a group
+of requests as one ragged batch, eager unless ``--specdec-compile on`` (vLLM runs with ``enforce_eager``,
+no compiled graphs, here). Every vLLM method
 has its own engine (each in its own processes, as vLLM starts them; an idle one takes no CPU), and the
 methods take turns: prompts go in groups of ``--concurrency`` requests, submitted together, and the order
 of methods rotates from group to group, so drift in machine speed does not favour one method.
@@ -28,6 +32,7 @@ import platform
 import time
 
 METHODS = ("vllm", "vllm-ngram", "vllm-suffix", "vllm-specdec-pld", "vllm-specdec-ngrammys")
+ENGINE_PREFIX = "specdec-"  # specdec's own engine: specdec-<registered method>
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -66,6 +71,47 @@ def _spec_counters(llm) -> tuple[int, int]:
     return drafted, accepted
 
 
+def _engine_method(label: str) -> str | None:
+    """The specdec method a ``specdec-NAME`` label runs in specdec's own engine, else None (a vLLM method)."""
+    if not label.startswith(ENGINE_PREFIX):
+        return None
+    from specdec import methods
+
+    name = label[len(ENGINE_PREFIX):]
+    if name not in methods.names():
+        raise ValueError(f"unknown specdec method in {label!r}: choose from {', '.join(methods.names())}")
+    if methods.get(name).needs_draft:
+        raise ValueError(f"{label!r} needs a draft model, which this bench does not load")
+    return name
+
+
+def _bound_core() -> int | None:
+    """The one core vLLM's worker was told to compute on (``VLLM_CPU_OMP_THREADS_BIND=N``), else None."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    return int(bind) if bind.isdigit() else None
+
+
+def _run_engine(dec, method: str, group, max_new_tokens: int) -> tuple[list[list[int]], float, int, int]:
+    """One group through specdec's engine as one batch, on one thread (pinned to vLLM's core where it has
+    one, so both engines compute on the same core): (tokens per request, seconds, drafted, accepted)."""
+    import torch
+
+    core, cores = _bound_core(), os.sched_getaffinity(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    try:
+        t0 = time.perf_counter()
+        res = dec.generate_ids([p.ids for p in group], method, max_new_tokens)
+        seconds = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
+        if core is not None:
+            os.sched_setaffinity(0, cores)
+    return res.tokens, seconds, res.stats.drafted_tokens, res.stats.accepted_tokens
+
+
 def run(args) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -75,39 +121,54 @@ def run(args) -> dict:
     from specdec.prompts import TokenizerEncoder, read_prompts
 
     labels = ["vllm"] + [m for m in args.methods.split(",") if m and m != "vllm"]
-    for m in labels:
-        speculative_config(m, args.k)  # unknown names fail before any engine starts
+    for m in labels:  # unknown names fail before any engine starts
+        if _engine_method(m) is None:
+            speculative_config(m, args.k)
     path = str(resolve(args.model))
     prompts = read_prompts(args.prompts, TokenizerEncoder(AutoTokenizer.from_pretrained(path)), args.limit)
     longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + args.k + 1
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     groups = [prompts[i: i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
+    dec = None
+    if any(_engine_method(m) for m in labels):
+        from specdec.api import SpecDecoder
+
+        dec = SpecDecoder(path, dtype=args.dtype, compile=args.specdec_compile)
     engines = {m: LLM(model=path, dtype=DTYPES[args.dtype], max_model_len=max(longest, 256), enforce_eager=True,
                       max_num_seqs=args.concurrency, speculative_config=speculative_config(m, args.k),
-                      disable_log_stats=False, seed=0, kv_cache_memory_bytes=args.kv_cache_mib << 20) for m in labels}
+                      disable_log_stats=False, seed=0, kv_cache_memory_bytes=args.kv_cache_mib << 20)
+               for m in labels if _engine_method(m) is None}
     for llm in engines.values():  # warm-up: first calls pay for lazy initialisation
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0].ids)], SamplingParams(temperature=0.0, max_tokens=8),
                      use_tqdm=False)
+    for m in labels:
+        if _engine_method(m):
+            _run_engine(dec, _engine_method(m), groups[0], 8)
     runs, reference = [], {}
     for g, group in enumerate(groups):
         order = labels[g % len(labels):] + labels[: g % len(labels)]
         for m in order:
-            llm = engines[m]
-            d0, a0 = _spec_counters(llm)
-            t0 = time.perf_counter()
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p.ids) for p in group], sp, use_tqdm=False)
-            seconds = time.perf_counter() - t0
-            d1, a1 = _spec_counters(llm)
-            toks = [list(o.outputs[0].token_ids) for o in outs]
+            if _engine_method(m):
+                toks, seconds, drafted, accepted = _run_engine(dec, _engine_method(m), group, args.max_new_tokens)
+                d0 = a0 = 0
+                d1, a1 = (drafted, accepted) if _engine_method(m) != "ar" else (None, None)
+            else:
+                llm = engines[m]
+                d0, a0 = _spec_counters(llm)
+                t0 = time.perf_counter()
+                outs = llm.generate([TokensPrompt(prompt_token_ids=p.ids) for p in group], sp, use_tqdm=False)
+                seconds = time.perf_counter() - t0
+                d1, a1 = _spec_counters(llm)
+                toks = [list(o.outputs[0].token_ids) for o in outs]
+            speculative = m != "vllm" and d1 is not None
             total = sum(len(t) for t in toks) or 1
             for p, t in zip(group, toks):
                 share = len(t) / total
-                drafted, accepted = round((d1 - d0) * share), round((a1 - a0) * share)
+                drafted, accepted = (round((d1 - d0) * share), round((a1 - a0) * share)) if speculative else (None, 0)
                 runs.append({"method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(t),
                              "seconds": seconds * share, "prefill_seconds": None,
                              "target_calls": max(1, len(t) - accepted), "draft_calls": 0, "compiled_target_calls": 0,
-                             "drafted_tokens": drafted if m != "vllm" else None,
-                             "accepted_tokens": accepted if m != "vllm" else None,
+                             "drafted_tokens": drafted, "accepted_tokens": accepted if speculative else None,
                              "drafter": None, "chunks": None, "memory_estimate": None,
                              "identical_to_reference": None, "_tokens": t})
                 if m == "vllm":
@@ -122,7 +183,7 @@ def run(args) -> dict:
 
     from specdec.bench_summary import summarize
 
-    config = {"engine": "vllm", "vllm": vllm.__version__, "model": args.model, "dtype": args.dtype,
+    config = {"engine": "vllm", "vllm": vllm.__version__, "specdec_compile": args.specdec_compile, "model": args.model, "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "concurrency": args.concurrency,
               "num_speculative_tokens": args.k, "specdec_vllm_options": os.environ.get("SPECDEC_VLLM_OPTIONS"),
               "ld_preload": os.environ.get("LD_PRELOAD"), "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
@@ -135,13 +196,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="model name or transformers folder")
     p.add_argument("--prompts", required=True, help="JSON lines with id, category, chat, prompt")
-    p.add_argument("--methods", default=",".join(m for m in METHODS if m != "vllm-suffix"))
+    p.add_argument("--methods", default=",".join(m for m in METHODS if m != "vllm-suffix"),
+                   help="comma list of " + ", ".join(METHODS) + ", and specdec-NAME: specdec's own engine running "
+                   "its method NAME (e.g. specdec-ar, specdec-ngrammys)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--concurrency", type=int, default=1, help="requests submitted together (vLLM's max_num_seqs)")
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every speculative method")
     p.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache per engine (vLLM's CPU default takes "
                    "92%% of the memory; every method has an engine)")
+    p.add_argument("--specdec-compile", choices=["off", "on"], default="off",
+                   help="specdec-NAME methods: torch.compile specdec's decode forwards (off matches vLLM's enforce_eager)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--json", default=None, metavar="OUT")
     args = p.parse_args(argv)
