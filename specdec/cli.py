@@ -153,6 +153,9 @@ def _corpus_args(c: argparse.ArgumentParser) -> None:
     a("--magpie-tokens", type=int, default=128, help="longest user turn; longer ones are dropped as unfinished")
     a("--magpie-temperature", type=float, default=1.0)
     a("--magpie-top-p", type=float, default=1.0)
+    a("--magpie-openings", default=None, metavar="FILE", help="task openings (JSON lines with category and text) "
+      "the user turns continue, one per shard in turn, to steer Magpie towards those tasks (e.g. "
+      "specdec/data/magpie_openings.jsonl: summarization, rag, translation)")
     a("--magpie-samples", type=int, default=0, help="sampled replies per user turn, besides the greedy one")
     a("--prompts", action="append", default=[], help="prompt file (JSON lines) to reply to; repeatable")
     a("--samples", type=int, default=1, help="sampled replies per --prompts prompt, besides the greedy one")

@@ -397,3 +397,39 @@ def test_magpie_gives_up_when_nothing_passes_the_filters(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="kept no user turn"):
         magpie.make_user_turns(None, tok, corpus, 10, batch_size=2, max_tokens=4, eos={1}, pad_id=0)
     assert [s["dropped"]["unfinished"] for s in corpus.shards("user")] == [2, 2, 2]
+
+
+def test_magpie_openings_steer_the_user_turns(tmp_path, monkeypatch):
+    """With task openings, shard i continues opening i mod n: the target is handed the user prefix plus
+    the opening, the kept turn begins with it and takes its category, and the manifest names it."""
+    from specdec.distill import magpie
+    from specdec.distill.corpus import Corpus
+
+    _, tdir = _tiny_target(tmp_path, chat=True)
+    _, tok = load_model(str(tdir))
+    path = tmp_path / "openings.jsonl"
+    path.write_text('{"category": "summarization", "text": "t60 t61"}\n\n{"category": "translation", "text": "t70"}\n')
+    openings = magpie.read_openings(str(path))
+    assert openings == [("summarization", "t60 t61"), ("translation", "t70")]
+    handed = []
+    counter = iter(range(20, 40))  # ids below 20 would decode to t1x / t0x, which re-encode via the special t1 / t0
+
+    def fake_generate(model, prompts, max_new, pad, eos, temperature, top_p):
+        handed.extend(prompts)
+        return [([next(counter), next(counter), 1], True) for _ in prompts]
+
+    monkeypatch.setattr(magpie, "generate", fake_generate)
+    monkeypatch.setattr(magpie, "_ENGLISH", frozenset({"t60", "t70"}))
+    monkeypatch.setattr(magpie, "words", lambda text: text.split())
+    corpus = Corpus.open(tmp_path / "c", "tiny", {"vocab_size": VOCAB, "tokenizer": "x", "config_sha": "y"}, "fp32")
+    magpie.make_user_turns(None, tok, corpus, 4, batch_size=2, max_tokens=8, eos={1}, pad_id=0, openings=openings)
+    assert handed == [[2, 3, 60, 61]] * 2 + [[2, 3, 70]] * 2
+    assert [(s["opening"], s["opening_category"]) for s in corpus.shards("user")] == \
+        [("t60 t61", "summarization"), ("t70", "translation")]
+    turns = [tok.decode(r.ids.tolist()) for r in corpus.records("user")]
+    assert turns == ["t60 t61 t20 t21", "t60 t61 t22 t23", "t70 t24 t25", "t70 t26 t27"]
+    assert [r.category for r in corpus.records("user")] == ["summarization"] * 2 + ["translation"] * 2
+    for bad in ['{"category": "poetry", "text": "x"}', '{"category": "rag", "text": " "}', "[1]", ""]:
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match="opening"):
+            magpie.read_openings(str(path))

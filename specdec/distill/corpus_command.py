@@ -20,7 +20,7 @@ def run_corpus(args) -> dict:
     from specdec.api import eos_ids
     from specdec.distill.corpus import Corpus, target_fingerprint
     from specdec.distill.data import file_tag, make_replies, reply_passes, user_turn_prompts
-    from specdec.distill.magpie import make_user_turns
+    from specdec.distill.magpie import make_user_turns, read_openings
     from specdec.distill.train import describe_device
     from specdec.hub import load_model
     from specdec.prompts import TokenizerEncoder, read_prompts
@@ -29,6 +29,7 @@ def run_corpus(args) -> dict:
         torch.set_num_threads(args.threads)
     if args.magpie <= 0 and not args.prompts:
         raise ValueError("nothing to do: give --magpie N and/or --prompts FILE")
+    openings = read_openings(args.magpie_openings) if args.magpie_openings else []
     t0 = time.time()
     deadline = t0 + args.minutes * 60 if args.minutes is not None else None
     model, tok = load_model(args.target, args.gen_dtype, args.device)
@@ -45,7 +46,7 @@ def run_corpus(args) -> dict:
                      deadline, info)
     if args.magpie > 0:
         make_user_turns(model, tok, corpus, args.magpie, args.magpie_batch, args.magpie_tokens, eos, pad, dev_texts,
-                        args.magpie_temperature, args.magpie_top_p, args.seed, deadline, info)
+                        args.magpie_temperature, args.magpie_top_p, args.seed, deadline, info, openings=openings)
     for s in corpus.shards("user"):
         if deadline is not None and time.time() > deadline:
             break

@@ -12,6 +12,7 @@ survivors get a cheap keyword guess at their category, so held-out splits cover 
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -120,13 +121,35 @@ class PromptFilter:
         return why is None
 
 
+def read_openings(path: str) -> list[tuple[str, str]]:
+    """Task openings (JSON lines ``{"category": ..., "text": ...}``) that steer Magpie towards a kind of
+    user turn: the target continues ``text`` after the user prefix (e.g. ``"Summarize: "`` makes it write an
+    article to be summarised), and the turn is filed under ``category``."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip() \
+                    or row.get("category") not in CATEGORIES:
+                raise ValueError(f"{path}:{n}: an opening needs a non-empty \"text\" and a \"category\" among "
+                                 f"{', '.join(CATEGORIES)}")
+            out.append((row["category"], row["text"]))
+    if not out:
+        raise ValueError(f"{path} holds no opening")
+    return out
+
+
 def make_user_turns(model, tokenizer, corpus: Corpus, target_count: int, batch_size: int, max_tokens: int,
                     eos: set[int], pad_id: int, dev_texts: list[str] = (), temperature: float = 1.0,
                     top_p: float = 1.0, seed: int = 0, deadline: float | None = None, info: dict | None = None,
-                    progress: bool = True) -> list[str]:
+                    progress: bool = True, openings: list[tuple[str, str]] = ()) -> list[str]:
     """Add ``user_{i:04d}`` shards of filtered user turns until the corpus holds ``target_count``
     (or the deadline passes). Existing shards are read back into the duplicate filter first, so a
-    resumed run filters as an uninterrupted one would. Returns the names written."""
+    resumed run filters as an uninterrupted one would. With ``openings`` ((category, text) pairs,
+    :func:`read_openings`), shard ``i`` continues opening ``i mod len(openings)``: its turns begin with that
+    text and take its category (the shard's manifest entry names it). Returns the names written."""
     if temperature <= 0:
         raise ValueError("Magpie samples user turns: the temperature must be positive")
     prefix = user_prefix(tokenizer)
@@ -150,18 +173,21 @@ def make_user_turns(model, tokenizer, corpus: Corpus, target_count: int, batch_s
         t0 = time.perf_counter()
         torch.manual_seed(name_seed(name, seed))
         before = dict(filt.dropped)
-        rows = generate(model, [prefix] * batch_size, max_tokens, pad_id, eos, temperature, top_p)
+        category, opening = openings[i % len(openings)] if openings else (None, "")
+        head = tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else []
+        rows = generate(model, [prefix + head] * batch_size, max_tokens, pad_id, eos, temperature, top_p)
         records = []
         for j, (new, ended) in enumerate(rows):
             body = new[:-1] if ended else new
-            text = tokenizer.decode(body, skip_special_tokens=True).strip()
+            text = tokenizer.decode(head + body, skip_special_tokens=True).strip()
             if filt.check(text, ended):
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-                records.append(Record(f"magpie-{i:04d}-{j:04d}", guess_category(text), torch.tensor(ids).numpy(),
-                                      len(ids)))
+                records.append(Record(f"magpie-{i:04d}-{j:04d}", category or guess_category(text),
+                                      torch.tensor(ids).numpy(), len(ids)))
         dropped = {k: filt.dropped[k] - before[k] for k in filt.dropped}
+        steer = {"opening": opening, "opening_category": category} if openings else {}
         corpus.write(name, records, "user", sampling={"temperature": temperature, "top_p": top_p},
-                     max_new_tokens=max_tokens, candidates=batch_size, dropped=dropped,
+                     max_new_tokens=max_tokens, candidates=batch_size, dropped=dropped, **steer,
                      seconds=round(time.perf_counter() - t0, 1), **(info or {}))
         written.append(name)
         have += len(records)
