@@ -54,6 +54,11 @@ def default_attention(device: torch.device) -> str:
     return "kernel" if device.type != "cpu" or kernels.has_native("tree_attention") else "sdpa"
 
 
+# A ragged batch's prompts are encoded row by row when that computes fewer positions than one padded forward,
+# counting a row as at least this many (below it a forward's cost is the weights' read, not the tokens).
+ROW_PREFILL_MIN = 64
+
+
 @dataclass
 class TreeAttentionMeta:
     """What the attention function needs for one forward.
@@ -396,8 +401,13 @@ class ModelRunner:
         head = max(lens) - 1
         hidden = None
         if head > 0:
-            positions = torch.arange(head, device=self.device).expand(b, head)
-            _, hidden = self._run(input_ids[:, :head], positions, None, logits_to_keep=1, return_hidden=return_hidden)
+            heads = [n - 1 for n in lens]
+            if sum(max(n, ROW_PREFILL_MIN) for n in heads) < b * head:
+                hidden = self._encode_rows(input_ids, heads, return_hidden)
+            else:
+                positions = torch.arange(head, device=self.device).expand(b, head)
+                _, hidden = self._run(input_ids[:, :head], positions, None, logits_to_keep=1,
+                                      return_hidden=return_hidden)
         self.cache.lengths.copy_(prompt_lens - 1)
         self._set_lengths_host([n - 1 for n in lens])
         rows = torch.arange(b, device=self.device)
@@ -412,6 +422,46 @@ class ModelRunner:
             full[rows, prompt_lens - 1] = last_hidden[:, 0]
             hidden = full
         return logits[:, 0], hidden
+
+    def _encode_rows(self, input_ids: torch.Tensor, heads: list[int], return_hidden: bool):
+        """Encode row ``i``'s first ``heads[i]`` tokens into its cache row, one row per forward (a padded
+        ``[B, max(heads)]`` forward computes every row at the longest row's length, and its attention at
+        that length squared). Each forward runs on a one-row cache whose buffers are views of the batch's.
+        input_ids: ``[B,L]``. Returns the last hidden state ``[B,max(heads),H]`` (padding past each row's
+        head is zero) when ``return_hidden``, else None."""
+        b, head = input_ids.shape[0], max(heads)
+        cache, batch = self.cache, self.batch_size
+        if not cache.layers[0].is_initialized and len(self._pool) == len(cache.layers) \
+                and all(k.shape[0] == b for k, _ in self._pool.values()):  # last generation's buffers, if they fit
+            for j, layer in enumerate(cache.layers):
+                layer.keys, layer.values = cache.allocate(j, self._pool[j][0])
+                layer.is_initialized = True
+        hidden = None
+        try:
+            for i, n in enumerate(heads):
+                if n == 0:
+                    continue
+                ready = cache.layers[0].is_initialized
+                pool = {j: (layer.keys[i:i + 1], layer.values[i:i + 1]) for j, layer in enumerate(cache.layers)} \
+                    if ready else {}
+                row = PreallocatedCache(len(cache.layers), 1, cache.capacity, self.device, pool)
+                self.cache, self.batch_size = row, 1
+                positions = torch.arange(n, device=self.device)[None]
+                _, h = self._run(input_ids[i:i + 1, :n], positions, None, logits_to_keep=1, return_hidden=return_hidden)
+                self.cache, self.batch_size = cache, batch
+                if not ready:  # this row's forward sized the layers: make the batch buffers, and move the row in
+                    for j, (layer, own) in enumerate(zip(cache.layers, row.layers)):
+                        k, v = cache.allocate(j, own.keys.expand(b, -1, -1, -1))
+                        k[i:i + 1, :, :n].copy_(own.keys[:, :, :n])
+                        v[i:i + 1, :, :n].copy_(own.values[:, :, :n])
+                        layer.keys, layer.values, layer.is_initialized = k, v, True
+                if h is not None:
+                    if hidden is None:
+                        hidden = h.new_zeros(b, head, h.shape[-1])
+                    hidden[i, :n] = h[0]
+        finally:
+            self.cache, self.batch_size = cache, batch
+        return hidden
 
     @torch.inference_mode()
     def forward_tree(self, tree: DraftTree, return_hidden: bool = False, extra_inputs: dict | None = None):

@@ -52,7 +52,11 @@ def test_save_and_reload_round_trips(tmp_path):
         assert torch.equal(back(input_ids=ids, target_hidden=h).logits, d(input_ids=ids, target_hidden=h).logits)
 
 
-def test_prefill_returns_every_prompt_positions_hidden_state_for_ragged_rows():
+@pytest.mark.parametrize("row_min", [64, 1])  # one padded forward; one forward per row
+def test_prefill_returns_every_prompt_positions_hidden_state_for_ragged_rows(row_min, monkeypatch):
+    import specdec.model as model_mod
+
+    monkeypatch.setattr(model_mod, "ROW_PREFILL_MIN", row_min)
     target = tiny_model("llama", VOCAB)
     runner = ModelRunner(target)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]

@@ -93,6 +93,25 @@ def test_ragged_batch_matches_rows_alone(arch, method):
         assert toks == hf_generate(dec.model, p, 20, GREEDY)
 
 
+@pytest.mark.parametrize("method", ["ar", "ngrammys", "sd"])
+def test_ragged_batch_encoded_row_by_row(arch, method, monkeypatch):
+    """Ragged prompts encoded one row per forward into the batch cache (what long, uneven prompts take
+    instead of one padded forward), twice on one decoder (the second reuses the batch buffers): each row's
+    own greedy output."""
+    import specdec.model as model_mod
+
+    calls = []
+    monkeypatch.setattr(model_mod, "ROW_PREFILL_MIN", 1)
+    orig = model_mod.ModelRunner._encode_rows
+    monkeypatch.setattr(model_mod.ModelRunner, "_encode_rows", lambda self, *a: calls.append(1) or orig(self, *a))
+    dec = decoder(arch)
+    for seeds in ((1, 2, 3, 4), (5, 6, 7, 8)):
+        prompts = [prompt_of(n, seed=s) for n, s in zip((4, 41, 1, 9), seeds)]
+        out = dec.generate_ids(prompts, method, 16, GREEDY)
+        assert out.tokens == [hf_generate(dec.model, p, 16, GREEDY) for p in prompts]
+    assert calls  # the row-by-row path ran
+
+
 @pytest.mark.parametrize("method,options", [(m, o) for m in methods.names() for o in schedule_variants(m)])
 def test_every_registered_method_matches_transformers(arch, method, options):
     """Every method in the registry, with each of its schedules, on a ragged batch: a method or
