@@ -198,6 +198,6 @@ def test_bench_engine_group_is_one_batch_on_one_thread(monkeypatch):
     monkeypatch.setattr(dec, "generate_ids", lambda prompts, method, n, _orig=dec.generate_ids:
                         seen.append(torch.get_num_threads()) or _orig(prompts, method, n))
     threads = torch.get_num_threads()
-    toks, seconds, drafted, accepted = _run_engine(dec, "pld", group, 12)
-    assert seen == [1] and torch.get_num_threads() == threads and seconds > 0 and 0 <= accepted <= drafted
+    toks, seconds, drafted, accepted, prefill = _run_engine(dec, "pld", group, 12)
+    assert seen == [1] and torch.get_num_threads() == threads and 0 < prefill < seconds and 0 <= accepted <= drafted
     assert toks == dec.generate_ids([g.ids for g in group], "ar", 12).tokens  # lossless, one batch

@@ -91,9 +91,10 @@ def _bound_core() -> int | None:
     return int(bind) if bind.isdigit() else None
 
 
-def _run_engine(dec, method: str, group, max_new_tokens: int) -> tuple[list[list[int]], float, int, int]:
+def _run_engine(dec, method: str, group, max_new_tokens: int) -> tuple[list[list[int]], float, int, int, float]:
     """One group through specdec's engine as one batch, on one thread (pinned to vLLM's core where it has
-    one, so both engines compute on the same core): (tokens per request, seconds, drafted, accepted)."""
+    one, so both engines compute on the same core): (tokens per request, seconds, drafted, accepted,
+    prefill seconds)."""
     import torch
 
     core, cores = _bound_core(), os.sched_getaffinity(0)
@@ -109,7 +110,7 @@ def _run_engine(dec, method: str, group, max_new_tokens: int) -> tuple[list[list
         torch.set_num_threads(threads)
         if core is not None:
             os.sched_setaffinity(0, cores)
-    return res.tokens, seconds, res.stats.drafted_tokens, res.stats.accepted_tokens
+    return res.tokens, seconds, res.stats.drafted_tokens, res.stats.accepted_tokens, res.stats.prefill_s
 
 
 def run(args) -> dict:
@@ -149,7 +150,8 @@ def run(args) -> dict:
         order = labels[g % len(labels):] + labels[: g % len(labels)]
         for m in order:
             if _engine_method(m):
-                toks, seconds, drafted, accepted = _run_engine(dec, _engine_method(m), group, args.max_new_tokens)
+                toks, seconds, drafted, accepted, prefill = _run_engine(dec, _engine_method(m), group,
+                                                                        args.max_new_tokens)
                 d0 = a0 = 0
                 d1, a1 = (drafted, accepted) if _engine_method(m) != "ar" else (None, None)
             else:
@@ -160,13 +162,15 @@ def run(args) -> dict:
                 seconds = time.perf_counter() - t0
                 d1, a1 = _spec_counters(llm)
                 toks = [list(o.outputs[0].token_ids) for o in outs]
+                prefill = None  # vLLM interleaves prefill chunks with decode steps
             speculative = m != "vllm" and d1 is not None
             total = sum(len(t) for t in toks) or 1
             for p, t in zip(group, toks):
                 share = len(t) / total
                 drafted, accepted = (round((d1 - d0) * share), round((a1 - a0) * share)) if speculative else (None, 0)
                 runs.append({"method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(t),
-                             "seconds": seconds * share, "prefill_seconds": None,
+                             "seconds": seconds * share,
+                             "prefill_seconds": None if prefill is None else prefill * share,
                              "target_calls": max(1, len(t) - accepted), "draft_calls": 0, "compiled_target_calls": 0,
                              "drafted_tokens": drafted, "accepted_tokens": accepted if speculative else None,
                              "drafter": None, "chunks": None, "memory_estimate": None,
