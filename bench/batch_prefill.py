@@ -1,0 +1,51 @@
+"""Where a batch of ragged prompts spends its time in specdec's engine: prefill against decode steps.
+
+One group of ``--batch`` dev prompts (the ``--group``-th, in file order, so groups 4-5 hold the long rag and
+summarization prompts) generates ``--max-new-tokens`` with ``ar`` as one batch, on one thread, after a
+warm-up. ``--row-min`` sets :data:`specdec.model.ROW_PREFILL_MIN`: the default encodes ragged prompts row by
+row where that computes fewer positions; a huge value forces the single padded ``[B, longest]`` forward::
+
+    OMP_NUM_THREADS=1 python -m bench.batch_prefill --group 4                    # row by row where it pays
+    OMP_NUM_THREADS=1 python -m bench.batch_prefill --group 4 --row-min 1000000  # one padded forward
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import specdec.model as model_mod
+from specdec.api import SpecDecoder
+from specdec.prompts import TokenizerEncoder, read_prompts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", default="bench/dev_prompts.jsonl")
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--row-min", type=int, default=model_mod.ROW_PREFILL_MIN)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    model_mod.ROW_PREFILL_MIN = args.row_min
+    dec = SpecDecoder("smollm2", dtype=args.dtype, compile="off")
+    prompts = read_prompts(args.prompts, TokenizerEncoder(dec.tokenizer))
+    ids = [q.ids for q in prompts[args.group * args.batch:(args.group + 1) * args.batch]]
+    dec.generate_ids(ids, "ar", 4)  # warm-up, and the cache buffers at this batch size
+    t0 = time.perf_counter()
+    res = dec.generate_ids(ids, "ar", args.max_new_tokens)
+    seconds = time.perf_counter() - t0
+    lens = [len(x) for x in ids]
+    print(json.dumps({"group": args.group, "row_min": args.row_min, "prompt_tokens": sum(lens),
+                      "padded_tokens": len(lens) * max(lens), "new_tokens": sum(len(t) for t in res.tokens),
+                      "seconds": round(seconds, 2), "prefill_seconds": round(res.stats.prefill_s, 2),
+                      "decode_steps": res.stats.steps,
+                      "ms_per_step": round(1e3 * (seconds - res.stats.prefill_s) / max(1, res.stats.steps), 1)}))
+
+
+if __name__ == "__main__":
+    main()
