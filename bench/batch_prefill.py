@@ -7,10 +7,12 @@ row where that computes fewer positions; a huge value forces the single padded `
 
     OMP_NUM_THREADS=1 python -m bench.batch_prefill --group 4                    # row by row where it pays
     OMP_NUM_THREADS=1 python -m bench.batch_prefill --group 4 --row-min 1000000  # one padded forward
+    OMP_NUM_THREADS=1 python -m bench.batch_prefill --group 0 --max-new-tokens 24 --profile
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -29,6 +31,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--row-min", type=int, default=model_mod.ROW_PREFILL_MIN)
+    p.add_argument("--profile", action="store_true", help="also print torch.profiler's operators of the run, by "
+                   "self time (the row-by-row prefill's linear layers show as aten::mm)")
     args = p.parse_args()
     torch.set_num_threads(1)
     model_mod.ROW_PREFILL_MIN = args.row_min
@@ -36,9 +40,13 @@ def main() -> None:
     prompts = read_prompts(args.prompts, TokenizerEncoder(dec.tokenizer))
     ids = [q.ids for q in prompts[args.group * args.batch:(args.group + 1) * args.batch]]
     dec.generate_ids(ids, "ar", 4)  # warm-up, and the cache buffers at this batch size
-    t0 = time.perf_counter()
-    res = dec.generate_ids(ids, "ar", args.max_new_tokens)
-    seconds = time.perf_counter() - t0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile \
+            else contextlib.nullcontext() as prof:
+        t0 = time.perf_counter()
+        res = dec.generate_ids(ids, "ar", args.max_new_tokens)
+        seconds = time.perf_counter() - t0
+    if args.profile:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     lens = [len(x) for x in ids]
     print(json.dumps({"group": args.group, "row_min": args.row_min, "prompt_tokens": sum(lens),
                       "padded_tokens": len(lens) * max(lens), "new_tokens": sum(len(t) for t in res.tokens),
