@@ -398,10 +398,10 @@ class ModelRunner:
             return logits[:, -1], hidden
         # Ragged rows: logits are wanted at a different column per row. Encode all but each row's
         # last token (logits of one column only), then the last tokens as one-node trees.
-        head = max(lens) - 1
+        heads = [n - 1 for n in lens]
+        head = max(heads)
         hidden = None
         if head > 0:
-            heads = [n - 1 for n in lens]
             if sum(max(n, ROW_PREFILL_MIN) for n in heads) < b * head:
                 hidden = self._encode_rows(input_ids, heads, return_hidden)
             else:
@@ -409,7 +409,7 @@ class ModelRunner:
                 _, hidden = self._run(input_ids[:, :head], positions, None, logits_to_keep=1,
                                       return_hidden=return_hidden)
         self.cache.lengths.copy_(prompt_lens - 1)
-        self._set_lengths_host([n - 1 for n in lens])
+        self._set_lengths_host(heads)
         rows = torch.arange(b, device=self.device)
         last_tokens = DraftTree.chain(input_ids[rows, prompt_lens - 1])
         logits, last_hidden = self.forward_tree(last_tokens, return_hidden)
@@ -448,7 +448,6 @@ class ModelRunner:
                 self.cache, self.batch_size = row, 1
                 positions = torch.arange(n, device=self.device)[None]
                 _, h = self._run(input_ids[i:i + 1, :n], positions, None, logits_to_keep=1, return_hidden=return_hidden)
-                self.cache, self.batch_size = cache, batch
                 if not ready:  # this row's forward sized the layers: make the batch buffers, and move the row in
                     for j, (layer, own) in enumerate(zip(cache.layers, row.layers)):
                         k, v = cache.allocate(j, own.keys.expand(b, -1, -1, -1))

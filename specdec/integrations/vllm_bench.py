@@ -122,8 +122,9 @@ def run(args) -> dict:
     from specdec.prompts import TokenizerEncoder, read_prompts
 
     labels = ["vllm"] + [m for m in args.methods.split(",") if m and m != "vllm"]
+    engine = {m: _engine_method(m) for m in labels}  # specdec's method for specdec-NAME labels, else None
     for m in labels:  # unknown names fail before any engine starts
-        if _engine_method(m) is None:
+        if engine[m] is None:
             speculative_config(m, args.k)
     path = str(resolve(args.model))
     prompts = read_prompts(args.prompts, TokenizerEncoder(AutoTokenizer.from_pretrained(path)), args.limit)
@@ -131,29 +132,27 @@ def run(args) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     groups = [prompts[i: i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
     dec = None
-    if any(_engine_method(m) for m in labels):
+    if any(engine.values()):
         from specdec.api import SpecDecoder
 
         dec = SpecDecoder(path, dtype=args.dtype, compile=args.specdec_compile)
     engines = {m: LLM(model=path, dtype=DTYPES[args.dtype], max_model_len=max(longest, 256), enforce_eager=True,
                       max_num_seqs=args.concurrency, speculative_config=speculative_config(m, args.k),
                       disable_log_stats=False, seed=0, kv_cache_memory_bytes=args.kv_cache_mib << 20)
-               for m in labels if _engine_method(m) is None}
+               for m in labels if engine[m] is None}
     for llm in engines.values():  # warm-up: first calls pay for lazy initialisation
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0].ids)], SamplingParams(temperature=0.0, max_tokens=8),
                      use_tqdm=False)
     for m in labels:
-        if _engine_method(m):
-            _run_engine(dec, _engine_method(m), groups[0], 8)
+        if engine[m]:
+            _run_engine(dec, engine[m], groups[0], 8)
     runs, reference = [], {}
     for g, group in enumerate(groups):
         order = labels[g % len(labels):] + labels[: g % len(labels)]
         for m in order:
-            if _engine_method(m):
-                toks, seconds, drafted, accepted, prefill = _run_engine(dec, _engine_method(m), group,
-                                                                        args.max_new_tokens)
-                d0 = a0 = 0
-                d1, a1 = (drafted, accepted) if _engine_method(m) != "ar" else (None, None)
+            if engine[m]:
+                toks, seconds, drafted, accepted, prefill = _run_engine(dec, engine[m], group, args.max_new_tokens)
+                speculative = engine[m] != "ar"
             else:
                 llm = engines[m]
                 d0, a0 = _spec_counters(llm)
@@ -162,17 +161,20 @@ def run(args) -> dict:
                 seconds = time.perf_counter() - t0
                 d1, a1 = _spec_counters(llm)
                 toks = [list(o.outputs[0].token_ids) for o in outs]
-                prefill = None  # vLLM interleaves prefill chunks with decode steps
-            speculative = m != "vllm" and d1 is not None
+                drafted, accepted, prefill = d1 - d0, a1 - a0, None  # vLLM interleaves prefill with decode steps
+                speculative = m != "vllm"
             total = sum(len(t) for t in toks) or 1
             for p, t in zip(group, toks):
                 share = len(t) / total
-                drafted, accepted = (round((d1 - d0) * share), round((a1 - a0) * share)) if speculative else (None, 0)
+                row_drafted, row_accepted = (None, 0)
+                if speculative:
+                    row_drafted, row_accepted = round(drafted * share), round(accepted * share)
                 runs.append({"method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(t),
                              "seconds": seconds * share,
                              "prefill_seconds": None if prefill is None else prefill * share,
-                             "target_calls": max(1, len(t) - accepted), "draft_calls": 0, "compiled_target_calls": 0,
-                             "drafted_tokens": drafted, "accepted_tokens": accepted if speculative else None,
+                             "target_calls": max(1, len(t) - row_accepted), "draft_calls": 0, "compiled_target_calls": 0,
+                             "drafted_tokens": row_drafted,
+                             "accepted_tokens": row_accepted if speculative else None,
                              "drafter": None, "chunks": None, "memory_estimate": None,
                              "identical_to_reference": None, "_tokens": t})
                 if m == "vllm":
@@ -187,7 +189,8 @@ def run(args) -> dict:
 
     from specdec.bench_summary import summarize
 
-    config = {"engine": "vllm", "vllm": vllm.__version__, "specdec_compile": args.specdec_compile, "model": args.model, "dtype": args.dtype,
+    config = {"engine": "vllm", "vllm": vllm.__version__, "specdec_compile": args.specdec_compile,
+              "model": args.model, "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "concurrency": args.concurrency,
               "num_speculative_tokens": args.k, "specdec_vllm_options": os.environ.get("SPECDEC_VLLM_OPTIONS"),
               "ld_preload": os.environ.get("LD_PRELOAD"), "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
