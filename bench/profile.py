@@ -5,7 +5,8 @@
     step-split     a method's decode time after prefill: target forwards against everything else
     step-cost      the target's cost of one forward over T tree tokens, c(T), as the runtime calibrates it
     forward-split  one forward over T tokens split into the linear layers and the rest (--compile: also compiled)
-    model-linears  every linear layer of the model over M rows, alone, through the packed kernel
+    model-linears  every linear layer of the model over M rows, alone, through the packed kernel (and torch's)
+    prefill        prompt encoding through causal SDPA against the tree-attention kernel
     attention      end-to-end A/B of the runner's attention paths: tree-attention kernel against dense-mask SDPA
     linear         transformers' own generate (hf) on torch's linear layers against specdec's kernels
 
@@ -292,14 +293,17 @@ def forward_split(args: argparse.Namespace) -> None:
 # model-linears
 # ----------------------------------------------------------------------------------------
 
-MODEL_LINEARS = """The linear layers of one target forward over M rows, alone: every weight of the model through the packed kernel.
+MODEL_LINEARS = """The linear layers of one target forward over M rows, alone: every weight of the model through the packed
+kernel (``--kernels packed,torch``: also through torch's GEMM, ``F.linear``, on the same weights).
 
     OMP_NUM_THREADS=1 python -m bench.profile model-linears --dtype bf16 --rows 1,2,4,5,6,8,12 --json out.json
+    OMP_NUM_THREADS=1 python -m bench.profile model-linears --dtype bf16 --rows 4,6,7,8,16,32,64 --kernels packed,torch
 
 A verification of M tree tokens multiplies M rows through every weight (SmolLM2-135M: 211 of them, 270 MB in bf16,
 read from DRAM once per forward). This times exactly that, without the model's other ops, best of ``--repeats``,
-with the rows' sizes interleaved so that drift in machine speed spreads over all of them. To compare two builds
-of the extension, run it once per build, alternating, a few times.
+with the rows' sizes and kernels interleaved so that drift in machine speed spreads over all of them. The
+packed-against-torch crossover is where ``--linear auto`` hands products to torch (``specdec.linear.default_max_rows``).
+To compare two builds of the extension, run it once per build, alternating, a few times.
 """
 
 
@@ -307,25 +311,83 @@ def model_linears(args: argparse.Namespace) -> None:
     from specdec.hub import load_model
 
     rows = [int(r) for r in args.rows.split(",")]
+    kernels = args.kernels.split(",")
+    if not kernels or any(k not in ("packed", "torch") for k in kernels):
+        raise SystemExit(f"--kernels takes packed and/or torch, got {args.kernels!r}")
     model, _ = load_model(args.model, args.dtype, linear="packed")
     layers = specdec_linears(model)
     op = torch.ops.specdec.packed_linear
     best = Best()
 
-    def all_layers(xs):
+    def all_layers(kernel, xs):
         for lin in layers:
-            op(xs[lin.in_features], lin.packed_weight(), lin.out_features, lin.bias)
+            if kernel == "packed":
+                op(xs[lin.in_features], lin.packed_weight(), lin.out_features, lin.bias)
+            else:
+                torch.nn.functional.linear(xs[lin.in_features], lin.weight, lin.bias)
 
     with torch.inference_mode():
-        for _ in range(args.repeats):
+        for r in range(args.repeats):
             for m in rows:
-                best.keep(m, elapsed(all_layers, inputs_by_width(layers, (m,), layers[0].weight.dtype)))
+                xs = inputs_by_width(layers, (m,), layers[0].weight.dtype)
+                for kernel in kernels if r % 2 == 0 else kernels[::-1]:
+                    best.keep((kernel, m), elapsed(lambda: all_layers(kernel, xs)))
     mb = sum(lin.weight.numel() * lin.weight.element_size() for lin in layers) / 2**20
     out = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "layers": len(layers),
-           "weight_mib": round(mb, 1), "ms": {m: round(best.ms(m), 2) for m in rows}}
-    print(f"{len(layers)} weights, {mb:.0f} MiB, {out['threads']} threads, best of {args.repeats}, ms: "
-          + "  ".join(f"M={m}: {v:.1f}" for m, v in out["ms"].items()))
+           "weight_mib": round(mb, 1), "cpu": cpu_name()}
+    for kernel in kernels:
+        key = "ms" if kernel == "packed" else f"ms_{kernel}"
+        out[key] = {m: round(best.ms((kernel, m)), 2) for m in rows}
+        print(f"{kernel}: {len(layers)} weights, {mb:.0f} MiB, {out['threads']} threads, best of {args.repeats}, ms: "
+              + "  ".join(f"M={m}: {v:.1f}" for m, v in out[key].items()))
     finish(out, args.json)
+
+
+# ----------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------
+
+PREFILL = """Prompt encoding (prefill) through the two attention paths of a prompt on an empty cache, interleaved.
+
+    OMP_NUM_THREADS=1 python -m bench.profile prefill --dtype bf16 --json out.json
+
+Every prompt is prefilled once per path (``specdec.model.PROMPT_ATTENTION``: ``sdpa``, causal SDPA, against
+``kernel``, the tree-attention kernel that verifications use), the order alternating from prompt to prompt,
+best of ``--repeats``; the sums are over all prompts. Also the largest difference of the last-token logits
+between the paths (both are one correct attention; they round differently).
+"""
+
+
+def prefill(args: argparse.Namespace) -> None:
+    import specdec.model as model_mod
+
+    dec = decoder(args.model, args.dtype)
+    prompts = prompts_of(args, dec)
+    runner, paths = dec.runner, ("sdpa", "kernel")
+    capacity = max(len(p.ids) for p in prompts) + 1  # one cache, allocated once
+    best, diff = Best(), 0.0
+    try:
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt.ids], device=runner.device)
+            logits = {}
+            for path in paths if i % 2 == 0 else paths[::-1]:
+                model_mod.PROMPT_ATTENTION = path
+                for _ in range(args.repeats):
+                    runner.reset(1, capacity)
+                    start = time.perf_counter()
+                    logits[path] = runner.prefill(ids, torch.tensor([ids.shape[1]]))[0]
+                    best.keep((path, i), time.perf_counter() - start)
+            diff = max(diff, (logits["sdpa"].float() - logits["kernel"].float()).abs().max().item())
+    finally:
+        model_mod.PROMPT_ATTENTION = "sdpa"
+    tokens = sum(len(p.ids) for p in prompts)
+    out = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": cpu_name(),
+           "prompts": len(prompts), "prompt_tokens": tokens, "max_logit_diff": diff}
+    for path in paths:
+        sec = sum(best[(path, i)] for i in range(len(prompts)))
+        out[path] = {"seconds": round(sec, 3), "tokens_per_s": round(tokens / sec, 1)}
+    out["sdpa_speedup"] = round(out["kernel"]["seconds"] / out["sdpa"]["seconds"], 3)
+    finish(out, args.json, show=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -476,7 +538,14 @@ def parser() -> argparse.ArgumentParser:
     p = subcommand(subs, "model-linears", MODEL_LINEARS)
     p.add_argument("--rows", default="1,2,4,5,6,8,12")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kernels", default="packed", help="packed and/or torch (F.linear on the same weights)")
     p.set_defaults(run=model_linears)
+
+    p = subcommand(subs, "prefill", PREFILL)
+    p.add_argument("--prompts", default=DEV_PROMPTS)
+    p.add_argument("--per-category", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=2)
+    p.set_defaults(run=prefill)
 
     p = subcommand(subs, "attention", ATTENTION, dtype="fp32", dtype_choices=False)
     p.add_argument("--prompts", default=DEV_PROMPTS)

@@ -67,7 +67,21 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.to(x.dtype)
 
 
-def default_max_rows(dtype: torch.dtype, prepack: bool = False) -> int:
+@functools.lru_cache(maxsize=None)
+def cpu_has_matrix_tiles(dtype: torch.dtype) -> bool:
+    """Whether this CPU has AMX tiles for ``dtype`` (bf16 only: the one dtype measured), on which torch's
+    GEMM (oneDNN) beats :func:`specdec.kernels.packed_linear` from a handful of rows on."""
+    return dtype == torch.bfloat16 and bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+# Rows up to which packed_linear beats torch's bf16 GEMM on an AMX CPU: all 211 weights of SmolLM2-135M
+# (256 MiB, streamed from DRAM) over M rows, Xeon with AMX, torch 2.13, one thread: packed 39.9 ms against
+# torch's 46.6 at 8 rows, 47.7 against 45.5 at 9, 72.5 against 49.2 at 16; two threads: the same crossover
+# (`python -m bench.profile model-linears --kernels packed,torch`, bench/RESULTS.md "Kernels").
+AMX_PACKED_MAX_ROWS = 8
+
+
+def default_max_rows(dtype: torch.dtype, prepack: bool = False, tiles: bool = True) -> int:
     """Rows up to which the skinny or packed kernel is used on CPU. Measured on an AVX2 CPU, 2 threads:
 
     - ``skinny_linear``: torch's fp32 GEMM catches up at about 16 rows. For bf16 it beats torch's bf16
@@ -76,9 +90,14 @@ def default_max_rows(dtype: torch.dtype, prepack: bool = False) -> int:
       measured up to 256 rows (a [1536, 576] product over 256 rows: 2.4 ms against 2.6 ms fp32 and
       2.9 ms widened bf16). Past that the kernel, which streams all rows of x once per panel, is not
       blocked for cache, so 256 is its limit.
-    fp16 was not measured and shares bf16's limits. Where the CPU has matrix instructions for the dtype
-    (:func:`cpu_has_half_gemm`), torch's own half-precision GEMM is likely faster for many rows: there
-    the packed kernel keeps the skinny kernel's limit (not measured: no such CPU here)."""
+
+    On a CPU with bf16 instructions (:func:`cpu_has_half_gemm`) but no AMX tiles, torch's bf16 GEMM catches
+    up with the packed kernel at about 48 rows (measured with oneDNN capped at AVX-512-BF16,
+    ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``), so both kernels keep 64 there. With ``tiles`` and AMX tiles
+    for ``dtype`` (:func:`cpu_has_matrix_tiles`), torch's GEMM wins from 9 rows on:
+    :data:`AMX_PACKED_MAX_ROWS`. fp16 was not measured and shares bf16's limits without tiles."""
+    if prepack and tiles and cpu_has_matrix_tiles(dtype):
+        return AMX_PACKED_MAX_ROWS
     if prepack and not cpu_has_half_gemm(dtype):
         return 256
     return 16 if dtype == torch.float32 else 64
@@ -178,18 +197,19 @@ def refresh_packed(model: nn.Module) -> None:
             torch._dynamo.mark_static(m.packed_weight())
 
 
-def use_skinny_linear(model: nn.Module, max_rows: int | None = None, prepack: bool = False) -> int:
+def use_skinny_linear(model: nn.Module, max_rows: int | None = None, prepack: bool = False,
+                      tiles: bool = True) -> int:
     """Replace every ``nn.Linear`` of ``model`` in place by a :class:`SkinnyLinear` sharing its parameters.
 
     max_rows: largest product sent to the kernel (default :func:`default_max_rows` of the weights'
-    dtype and kernel). prepack: use the packed kernel (:func:`specdec.kernels.packed_linear`).
+    dtype, kernel and ``tiles``). prepack: use the packed kernel (:func:`specdec.kernels.packed_linear`).
     Returns the number of layers replaced.
     """
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                rows = max_rows if max_rows is not None else default_max_rows(child.weight.dtype, prepack)
+                rows = max_rows if max_rows is not None else default_max_rows(child.weight.dtype, prepack, tiles)
                 setattr(parent, name, SkinnyLinear.from_linear(child, rows, prepack=prepack))
                 count += 1
     return count
@@ -198,17 +218,19 @@ def use_skinny_linear(model: nn.Module, max_rows: int | None = None, prepack: bo
 def apply_linear_kernel(model: nn.Module, kernel: str, device: str) -> bool:
     """Apply the ``--linear`` choice: ``packed`` (:func:`specdec.kernels.packed_linear` over prepacked
     weights), ``skinny`` (:func:`specdec.kernels.skinny_linear` over the weights as stored), ``torch``
-    (leave as is) or ``auto`` (packed on CPU when the compiled extension is built). Returns whether a
-    specdec kernel was installed."""
+    (leave as is) or ``auto`` (packed on CPU when the compiled extension is built, and on an AMX CPU only
+    up to :data:`AMX_PACKED_MAX_ROWS` rows, where it beats torch's GEMM). ``packed`` and ``skinny`` keep
+    their kernel up to the limit of a CPU without AMX. Returns whether a specdec kernel was installed."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear kernel {kernel!r}: use one of {', '.join(LINEAR_KERNELS)}")
     if kernel == "torch":
         return False
+    tiles = kernel == "auto"
     if kernel == "auto":
         if torch.device(device).type != "cpu" or not (has_native("packed_linear") or has_native("skinny_linear")):
             return False
         kernel = "packed" if has_native("packed_linear") else "skinny"  # an older build has skinny only
     prepack = kernel == "packed"
     _op("packed_linear" if prepack else "skinny_linear")  # fail here, not in the first forward, without the extension
-    use_skinny_linear(model, prepack=prepack)
+    use_skinny_linear(model, prepack=prepack, tiles=tiles)
     return True

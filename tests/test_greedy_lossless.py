@@ -112,6 +112,59 @@ def test_ragged_batch_encoded_row_by_row(arch, method, monkeypatch):
     assert calls  # the row-by-row path ran
 
 
+@pytest.mark.parametrize("path", ["sdpa", "kernel"])
+def test_prompt_attention_paths(arch, path, monkeypatch):
+    """Prompts on an empty cache attend through causal SDPA (``PROMPT_ATTENTION="sdpa"``, the default) or the
+    tree kernel; both give transformers' greedy output, single and ragged (row by row and padded), and the
+    SDPA path is taken only where it is plain causal attention (Gemma3's 8-token window: not its sliding layers
+    over longer prompts)."""
+    import specdec.model as model_mod
+
+    monkeypatch.setattr(model_mod, "PROMPT_ATTENTION", path)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    causal = []
+
+    def spy(*args, **kwargs):
+        if kwargs.get("is_causal"):
+            causal.append(args[0].shape[2])
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    dec = decoder(arch)
+    hf = {}
+    for row_min in (1, 10_000):  # ragged rows one by one, then as one padded forward
+        monkeypatch.setattr(model_mod, "ROW_PREFILL_MIN", row_min)
+        prompts = [prompt_of(n, seed=n) for n in (23, 6, 1, 40)]
+        for batch in ([prompts[0]], prompts):
+            out = dec.generate_ids(batch, "ngrammys", 12, GREEDY)
+            for p, toks in zip(batch, out.tokens):
+                key = tuple(p)
+                if key not in hf:
+                    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+                    hf[key] = hf_generate(dec.model, p, 12, GREEDY)
+                    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+                assert toks == hf[key]
+            # Greedy tokens of a decisive tiny model barely depend on attention: compare the logits too.
+            runner = dec.runner
+            runner.reset(len(batch), 64)
+            lens = torch.tensor([len(p) for p in batch])
+            ids = torch.zeros(len(batch), int(lens.max()), dtype=torch.long)
+            for i, p in enumerate(batch):
+                ids[i, :len(p)] = torch.tensor(p)
+            logits = runner.prefill(ids, lens)[0]
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+            with torch.no_grad():
+                for i, p in enumerate(batch):
+                    torch.testing.assert_close(logits[i], dec.model(torch.tensor([p])).logits[0, -1], atol=1e-4, rtol=1e-4)
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    if path == "kernel":
+        assert not causal
+    else:
+        assert causal and max(causal) >= 22  # the prompts themselves, not only one-token steps
+        if arch == "gemma3":
+            assert max(causal) >= 39 and dec.model.config.sliding_window == 8  # full-attention layers only
+
+
 @pytest.mark.parametrize("method,options", [(m, o) for m in methods.names() for o in schedule_variants(m)])
 def test_every_registered_method_matches_transformers(arch, method, options):
     """Every method in the registry, with each of its schedules, on a ragged batch: a method or

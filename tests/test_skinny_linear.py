@@ -265,3 +265,24 @@ def test_lossless_with_skinny(arch, method, opts, prepack):
         out = dec.generate_ids([prompt], method, 40, SamplingConfig(), **opts)
         assert out.tokens[0] == ref
         assert hf_generate(stock, prompt, 40, SamplingConfig()) == ref
+
+
+@native
+@pytest.mark.parametrize("tiles", [False, True])
+def test_auto_limits_packed_rows_on_amx(tiles, monkeypatch):
+    """``--linear auto`` hands bf16 products over AMX_PACKED_MAX_ROWS rows to torch's GEMM on a CPU with AMX
+    tiles (measured faster there); ``packed`` keeps the kernel's limit for a CPU without them."""
+    import specdec.linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "cpu_has_matrix_tiles", lambda dtype: tiles and dtype == torch.bfloat16)
+    limits = {}
+    for kernel in ("auto", "packed"):
+        model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
+        apply_linear_kernel(model, kernel, "cpu")
+        limits[kernel] = {m.max_rows for m in model.modules() if isinstance(m, SkinnyLinear)}
+    without = linear_mod.default_max_rows(torch.bfloat16, prepack=True, tiles=False)
+    assert limits["packed"] == {without} and without > linear_mod.AMX_PACKED_MAX_ROWS
+    assert limits["auto"] == ({linear_mod.AMX_PACKED_MAX_ROWS} if tiles else {without})
+    fp32 = copy.deepcopy(tiny_model("llama"))
+    apply_linear_kernel(fp32, "auto", "cpu")  # fp32 keeps the batch-invariant kernel: the identity tests rely on it
+    assert {m.max_rows for m in fp32.modules() if isinstance(m, SkinnyLinear)} == {linear_mod.default_max_rows(torch.float32, True, False)}
