@@ -284,6 +284,8 @@ class SpecDecoder:
         result = None
         for start, end in parts:
             rows = prompts[start:end]
+            if getattr(policy, "cost", None) is not None and not spec.own_loop:
+                policy.cost.ensure_batch(self.runner, len(rows))  # a batch's steps have their own costs
             if drafter is None:
                 res = autoregressive_generate(self.runner, rows, max_new_tokens, sampling, self.eos)
             elif spec.own_loop:

@@ -200,13 +200,13 @@ def speculative_generate(
             budget = policy.budget(out.left())
             tree = drafter.propose(state, budget)
             if tree.accept is not None and budget.cost is not None:
-                tree = prune(tree, budget.cost)
+                tree = prune(tree, budget.cost, [not d for d in out.done])
             if budget.max_nodes is not None:
                 tree = cap_nodes(tree, budget.max_nodes)
             tree.build_mask()
         with _timed(stats, "target_s") as seconds:
             logits, hidden = target.forward_tree(tree, drafter.needs_hidden)
-        policy.observe_step(tree.size, seconds[0])
+        policy.observe_step(tree.size, seconds[0], tree.tokens.shape[0])
         verdict = verifier.verify(tree, logits, per_node=drafter.per_node)
         if drafter.per_node:
             drafter.observe_verdict(tree, verdict)

@@ -25,6 +25,8 @@ no tree-attention kernel is built).
 """
 from __future__ import annotations
 
+import functools
+
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -55,8 +57,14 @@ def default_attention(device: torch.device) -> str:
 
 
 # How a prompt on an empty cache attends: "sdpa" (causal SDPA, its flash kernel) or "kernel" (the same path as a
-# verification); bench.profile prefill times one against the other.
+# verification); bench.profile prefill times one against the other. "sdpa" applies on CPUs where torch's kernels
+# run with AVX-512 (measured there); elsewhere, on CPUs without it and on GPUs, prompts keep the kernel.
 PROMPT_ATTENTION = "sdpa"
+
+
+@functools.lru_cache(maxsize=None)
+def _prompt_sdpa(device_type: str) -> bool:
+    return device_type == "cpu" and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 
 # A ragged batch's prompts are encoded row by row when that computes fewer positions than one padded forward,
 # counting a row as at least this many (below it a forward's cost is the weights' read, not the tokens).
@@ -140,7 +148,7 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     window = kwargs.get("sliding_window")
     t = query.shape[2]
-    if PROMPT_ATTENTION == "sdpa" and meta.is_prompt(window) and key.shape[2] == t:
+    if PROMPT_ATTENTION == "sdpa" and meta.is_prompt(window) and key.shape[2] == t and _prompt_sdpa(query.device.type):
         # A prompt on an empty cache is plain causal attention: SDPA's flash kernel (no mask tensor) is
         # 1.6-2.8x the tree kernel there (64 to 1,000 tokens, CPU, fp32 and bf16; bench.profile prefill).
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -121,6 +121,7 @@ def test_prompt_attention_paths(arch, path, monkeypatch):
     import specdec.model as model_mod
 
     monkeypatch.setattr(model_mod, "PROMPT_ATTENTION", path)
+    monkeypatch.setattr(model_mod, "_prompt_sdpa", lambda device_type: True)  # the path on any CPU, AVX-512 or not
     sdpa = torch.nn.functional.scaled_dot_product_attention
     causal = []
 

@@ -92,3 +92,42 @@ def test_prompt_lookup_explores_one_token_more():
         lengths[every] = prune(drafter.propose(state, Budget.static(2, 3, cost)), cost).num_drafted.tolist()
     assert lengths[0] == [0, 0]  # verification too dear: nothing drafted
     assert lengths[1] == [1, 0]  # exploring drafts one token where a match exists
+
+
+def test_batch_width_shares_one_width_across_rows():
+    """Rows verified in one [B, T] forward pay for the widest row: a row's nodes up to that width are free, so
+    the width is chosen for the whole batch, and finished rows do not dilute it."""
+    import torch
+
+    from specdec.policies import batch_width, best_sizes
+
+    reach = torch.tensor([[1.0, 0.9, 0.8], [1.0, 0.1, 0.05]])
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    cost = StepCost({1: 1.0, 2: 1.1, 3: 1.5}, explore_every=0)
+    # Alone, row 1 would verify nothing (1.1 / 1.1 is no better than 1 / 1); in the batch its node is free.
+    assert best_sizes(reach, valid, cost) == [2, 0]
+    assert batch_width(reach, valid, cost) == [1, 1]  # (2 + 1.0) / 1.1 beats (2 + 1.85) / 1.5 and 2 / 1
+    assert batch_width(reach, valid, cost, active=[True, False]) == [2, 2]  # row 0 alone: 2.7 / 1.5 > 1.9 / 1.1
+    short = valid.clone()
+    short[1, 2] = False
+    assert batch_width(reach, short, cost, active=[True, False]) == [2, 1]  # a row keeps only what it holds
+    assert batch_width(reach, valid, StepCost({1: 1.0, 2: 3.0}, explore_every=0)) == [0, 0]
+
+
+def test_step_cost_keeps_a_table_per_batch_size():
+    """ensure_batch calibrates a runner at B rows once; for_batch returns it (one row's table otherwise), and a
+    policy's observations of a B-row step land in the B-row table only."""
+    from specdec.api import SpecDecoder
+    from tests.conftest import tiny_model
+
+    dec = SpecDecoder(tiny_model("llama"))
+    one = dec.step_cost()
+    assert one.for_batch(1) is one and one.for_batch(3) is one
+    three = one.ensure_batch(dec.runner, 3)
+    assert three is not one and one.for_batch(3) is three and one.ensure_batch(dec.runner, 3) is three
+    assert sorted(three.table) == list(StepCost.BATCH_SIZES) and all(v > 0 for v in three.table.values())
+    policy = StaticLength(4, cost=one)
+    before, before3 = dict(one.table), dict(three.table)
+    policy.observe_step(2, 123.0, rows=3)
+    assert one.table == before and three.table[2] != before3[2]
+    assert policy.budget([5, 5, 5]).cost is three and policy.budget([5]).cost is one

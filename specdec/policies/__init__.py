@@ -8,7 +8,7 @@ from specdec.drafters.base import Budget, StopRule
 from specdec.policies.acceptance import AcceptanceModel, NodeAcceptance, ProbabilityCalibration
 from specdec.policies.cost import StepCost
 from specdec.policies.length import ConfidenceStop, HeuristicLength, StaticLength
-from specdec.policies.planner import best_length, best_sizes, cap_nodes, prune
+from specdec.policies.planner import batch_width, best_length, best_sizes, cap_nodes, prune
 
 __all__ = ["Budget", "StopRule", "StepCost", "AcceptanceModel", "NodeAcceptance", "ProbabilityCalibration", "StaticLength", "HeuristicLength",
-           "ConfidenceStop", "best_length", "best_sizes", "cap_nodes", "prune"]
+           "ConfidenceStop", "batch_width", "best_length", "best_sizes", "cap_nodes", "prune"]

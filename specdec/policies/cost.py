@@ -3,15 +3,20 @@ from __future__ import annotations
 
 
 class StepCost:
-    """Measured seconds of one target forward over ``T`` tree tokens, interpolated between samples.
+    """Measured seconds of one target forward over ``T`` tree tokens per row, interpolated between samples.
 
     ``calibrate`` times the runner on a throwaway context once (a few dozen forwards): the shape
     of c(T) is a property of the model, dtype and machine (on one CPU a 4-token step costs 1.5x
     a 1-token step in fp32 and the same in bf16), so it is measured, never assumed. ``observe``
     folds in every timed step; :meth:`explore` makes planners time sizes they avoid now and then.
+
+    The table is for one row. A forward over ``B`` rows of ``T`` tokens is another shape (``B * T`` tokens
+    through every weight): :meth:`ensure_batch` calibrates a table of its own per batch size, which
+    :meth:`for_batch` returns (one row's table until then).
     """
 
     SIZES = (1, 2, 3, 4, 5, 6, 8, 11, 16)
+    BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12)  # a batch's steps are dearer: fewer, smaller sizes to time
 
     def __init__(self, table: dict[int, float], explore_every: int = 16):
         if not table or 1 not in table:
@@ -20,6 +25,19 @@ class StepCost:
         self.table = dict(table)
         self.explore_every = explore_every
         self._plans = 0
+        self.batches: dict[int, StepCost] = {}
+
+    def for_batch(self, rows: int) -> "StepCost":
+        """The table of forwards over ``rows`` rows: its own where :meth:`ensure_batch` made one, else this."""
+        return self.batches.get(rows, self) if rows > 1 else self
+
+    def ensure_batch(self, runner, rows: int) -> "StepCost":
+        """:meth:`for_batch`, calibrating ``runner`` at ``rows`` rows first if no table exists for them (this
+        resets the runner: call it before a generation starts)."""
+        if rows > 1 and rows not in self.batches:
+            self.batches[rows] = StepCost.calibrate(runner, repeats=2, sizes=self.BATCH_SIZES, rows=rows,
+                                                    explore_every=self.explore_every)
+        return self.for_batch(rows)
 
     def explore(self) -> bool:
         """True once every ``explore_every`` calls: the planner asking then verifies one node more than
@@ -77,10 +95,12 @@ class StepCost:
         return best_n, best_e
 
     @classmethod
-    def calibrate(cls, runner, context: int = 128, repeats: int = 3, sizes=SIZES, extra_inputs=None) -> "StepCost":
-        """Time ``runner`` over chains of each size in ``sizes`` after a ``context``-token prefix.
-        ``extra_inputs(t) -> dict``: model inputs beside the tokens for ``t`` tokens (a feature-conditioned
-        draft's ``target_hidden``); the prefix then goes through ``forward_tree`` as well."""
+    def calibrate(cls, runner, context: int = 128, repeats: int = 3, sizes=SIZES, extra_inputs=None, rows: int = 1,
+                  explore_every: int = 16) -> "StepCost":
+        """Time ``runner`` over chains of each size in ``sizes`` after a ``context``-token prefix, in ``rows``
+        rows at once. ``extra_inputs(t) -> dict``: model inputs beside the tokens for ``t`` tokens (a
+        feature-conditioned draft's ``target_hidden``, one row only); the prefix then goes through
+        ``forward_tree`` as well."""
         import time
 
         import torch
@@ -89,11 +109,13 @@ class StepCost:
 
         vocab = runner.model.get_output_embeddings().weight.shape[0]
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=g).to(runner.device)
-        runner.reset(1, ids.shape[1] + 1)
+        if rows > 1 and extra_inputs is not None:
+            raise ValueError("extra_inputs are calibrated at one row")
+        ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=g).to(runner.device).expand(rows, -1)
+        runner.reset(rows, ids.shape[1] + 1)
         extra = extra_inputs or (lambda t: None)
         if extra_inputs is None:
-            runner.prefill(ids[:, :context], torch.tensor([context], device=runner.device))
+            runner.prefill(ids[:, :context], torch.full((rows,), context, device=runner.device))
         else:
             runner.forward_tree(DraftTree.chain(ids[:, 0], ids[:, 1:context]), extra_inputs=extra(context))
             runner.commit(torch.arange(context, device=runner.device)[None], torch.tensor([context], device=runner.device),
@@ -107,4 +129,4 @@ class StepCost:
                 t0 = time.perf_counter()
                 runner.forward_tree(tree, extra_inputs=extra(t))
                 table[t] = min(table[t], time.perf_counter() - t0)
-        return cls(table)
+        return cls(table, explore_every)

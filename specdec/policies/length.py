@@ -43,12 +43,13 @@ class StaticLength:
         token verification always adds)."""
         depth = [max(0, min(d, n)) for d, n in zip(self.depths(len(left)), left)]
         nodes = None if self.max_nodes is None else [self.max_nodes] * len(left)
-        return Budget(depth, nodes, cost=self.cost, stop=self.stop)
+        cost = None if self.cost is None else self.cost.for_batch(len(left))
+        return Budget(depth, nodes, cost=cost, stop=self.stop)
 
-    def observe_step(self, tree_size: int, seconds: float) -> None:
-        """The measured target forward over a tree of ``tree_size`` nodes."""
+    def observe_step(self, tree_size: int, seconds: float, rows: int = 1) -> None:
+        """The measured target forward over ``rows`` rows of ``tree_size`` nodes."""
         if self.cost is not None:
-            self.cost.observe(tree_size, seconds)
+            self.cost.for_batch(rows).observe(tree_size, seconds)
 
     def update(self, drafted: list[int], accepted: list[int], rows: list[int] | None = None) -> None:
         """Per active row: draft tokens verified and accepted this step; ``rows``: which rows the lists

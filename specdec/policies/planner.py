@@ -59,14 +59,47 @@ def _chain_sizes(reach: list[list[float]], drafted: list[int], cost: StepCost, e
     return out
 
 
-def prune(tree: DraftTree, cost: StepCost) -> DraftTree:
+def batch_width(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost, active: list[bool] | None = None,
+                explore: bool = False) -> list[int]:
+    """Per row, how many draft nodes to verify when the rows share one forward of a common width.
+
+    The target runs ``[B, T]`` tokens, ``T`` the widest row's nodes plus the root, so a row's nodes up
+    to that width cost nothing more. This picks the ``T`` with the most expected tokens per second over
+    the whole batch, ``sum_b (1 + E_b[accepted of its T - 1 likeliest nodes]) / c(T)`` (``cost``: the
+    batch's own table, :meth:`StepCost.for_batch`), and gives every row its ``T - 1`` likeliest nodes (or
+    all it holds). reach, valid: ``[B,T]`` as in :func:`best_sizes`; active: rows still generating (the
+    others emit nothing; default all). Returns ``[B]`` host ints.
+    """
+    r = reach[:, 1:].float().masked_fill(~valid[:, 1:], 0.0)
+    n_valid = valid[:, 1:].sum(-1).tolist()
+    if r.shape[1] == 0:
+        return [0] * r.shape[0]
+    on = torch.ones(r.shape[0], dtype=torch.bool) if active is None else torch.tensor(active, dtype=torch.bool)
+    top = r.sort(dim=1, descending=True).values.cumsum(1).cpu()[on]  # [B',T-1] expected accepted with n = 1.. nodes
+    costs = torch.tensor(cost.costs(r.shape[1] + 1), dtype=top.dtype)
+    expected = torch.cat([torch.zeros(1, dtype=top.dtype), top.sum(0)]) + float(on.sum())  # n = 0 .. T-1
+    width = int((expected / costs).argmax())  # the first (narrowest) among equal rates
+    if explore:
+        width = min(width + 1, max(n_valid))
+    return [min(width, v) for v in n_valid]
+
+
+def prune(tree: DraftTree, cost: StepCost, active: list[bool] | None = None) -> DraftTree:
     """``tree`` cut to the nodes worth their verification cost, by its per-node ``accept`` estimates.
 
     A chain stays a chain (each row cut to its best length, the width to the longest kept); a tree keeps
-    each row's most likely nodes (:meth:`DraftTree.select`). Calls ``cost.explore()`` once.
+    each row's most likely nodes (:meth:`DraftTree.select`). A batch of several rows is cut to one width
+    for all (:func:`batch_width`; ``active``: rows still generating); one row, to its own best size.
+    Calls ``cost.explore()`` once.
     """
+    explore = cost.explore()
+    if tree.tokens.shape[0] > 1:
+        keep = batch_width(tree.accept, tree.valid, cost, active, explore)
+    elif tree.is_chain:
+        keep = _chain_sizes(tree.accept.tolist(), tree.num_drafted.tolist(), cost, explore)
+    else:
+        keep = best_sizes(tree.accept, tree.valid, cost, explore)
     if tree.is_chain:
-        keep = _chain_sizes(tree.accept.tolist(), tree.num_drafted.tolist(), cost, cost.explore())
         t = 1 + max(1, max(keep))  # the root and the longest kept chain (one slot at least, as before planning)
         cut = torch.arange(t, device=tree.tokens.device)[None] > torch.tensor(keep, device=tree.tokens.device)[:, None]
         probs = None
@@ -77,7 +110,6 @@ def prune(tree: DraftTree, cost: StepCost) -> DraftTree:
         fresh = lambda x: x[:, :t].clone(memory_format=torch.contiguous_format)  # noqa: E731
         return DraftTree(fresh(tree.tokens), fresh(tree.parents), tree.valid[:, :t] & ~cut, fresh(tree.depth), True,
                          probs, accept=tree.accept[:, :t])
-    keep = best_sizes(tree.accept, tree.valid, cost, cost.explore())
     return tree.select((_rank(tree) <= torch.tensor(keep, device=tree.tokens.device)[:, None]) & tree.valid)[0]
 
 
