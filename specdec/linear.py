@@ -75,9 +75,10 @@ def cpu_has_matrix_tiles(dtype: torch.dtype) -> bool:
 
 
 # Rows up to which packed_linear beats torch's bf16 GEMM on an AMX CPU: all 211 weights of SmolLM2-135M
-# (256 MiB, streamed from DRAM) over M rows, Xeon with AMX, torch 2.13, one thread: packed 39.9 ms against
-# torch's 46.6 at 8 rows, 47.7 against 45.5 at 9, 72.5 against 49.2 at 16; two threads: the same crossover
-# (`python -m bench.profile model-linears --kernels packed,torch`, bench/RESULTS.md "Kernels").
+# (256 MiB, streamed from DRAM) over M rows, Xeon with AMX, torch 2.13. One thread: packed 44.0 ms against
+# torch's 48.6 at 8 rows, 65.7 against 52.5 at 12, 83.0 against 53.0 at 16; two threads: 25.5 against 30.1 at 8,
+# 30.3 against 27.6 at 9 (bench/results/model_linears_amx_{1t,2t}.json, `bench.profile model-linears
+# --kernels packed,torch`).
 AMX_PACKED_MAX_ROWS = 8
 
 

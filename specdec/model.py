@@ -326,6 +326,12 @@ class ModelRunner:
 
             refresh_packed(self.model)  # weights changed since the last generation are repacked here
 
+    def release(self) -> None:
+        """Free the cache buffers held for reuse (the next :meth:`reset` allocates its own): what a throwaway
+        run, such as a step-cost calibration, would otherwise leave sized for itself."""
+        self._pool.clear()
+        self.reset(self.batch_size, 0)
+
     def warm_up(self) -> None:
         """Compile now (``compile=True``; otherwise nothing to do): one forward of each kind a single-row
         decode loop runs, a single token, a chain, a tree and a tree past 32 nodes (a wider packed mask), on a

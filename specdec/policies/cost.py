@@ -129,4 +129,5 @@ class StepCost:
                 t0 = time.perf_counter()
                 runner.forward_tree(tree, extra_inputs=extra(t))
                 table[t] = min(table[t], time.perf_counter() - t0)
+        runner.release()
         return cls(table, explore_every)
