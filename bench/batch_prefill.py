@@ -58,7 +58,8 @@ def main() -> None:
         if args.profile:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
         print(json.dumps({"group": args.group, "method": method, "row_min": args.row_min, "linear": args.linear,
-                          "prompt_attention": args.prompt_attention, "prompt_tokens": sum(lens),
+                          "prompt_attention": args.prompt_attention,
+                          "prompt_sdpa_applies": model_mod._prompt_sdpa(dec.runner.device.type), "prompt_tokens": sum(lens),
                           "padded_tokens": len(lens) * max(lens), "new_tokens": sum(len(t) for t in res.tokens),
                           "seconds": round(seconds, 2), "prefill_seconds": round(res.stats.prefill_s, 2),
                           "decode_steps": res.stats.steps, "tokens_per_step": round(

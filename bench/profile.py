@@ -363,7 +363,7 @@ def prefill(args: argparse.Namespace) -> None:
 
     dec = decoder(args.model, args.dtype)
     prompts = prompts_of(args, dec)
-    runner, paths = dec.runner, ("sdpa", "kernel")
+    runner, paths, before = dec.runner, ("sdpa", "kernel"), model_mod.PROMPT_ATTENTION
     capacity = max(len(p.ids) for p in prompts) + 1  # one cache, allocated once
     best, diff = Best(), 0.0
     try:
@@ -379,10 +379,11 @@ def prefill(args: argparse.Namespace) -> None:
                     best.keep((path, i), time.perf_counter() - start)
             diff = max(diff, (logits["sdpa"].float() - logits["kernel"].float()).abs().max().item())
     finally:
-        model_mod.PROMPT_ATTENTION = "sdpa"
+        model_mod.PROMPT_ATTENTION = before
     tokens = sum(len(p.ids) for p in prompts)
     out = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": cpu_name(),
-           "prompts": len(prompts), "prompt_tokens": tokens, "max_logit_diff": diff}
+           "prompts": len(prompts), "prompt_tokens": tokens, "max_logit_diff": diff,
+           "sdpa_applies": model_mod._prompt_sdpa(runner.device.type)}  # False: both paths ran the kernel
     for path in paths:
         sec = sum(best[(path, i)] for i in range(len(prompts)))
         out[path] = {"seconds": round(sec, 3), "tokens_per_s": round(tokens / sec, 1)}

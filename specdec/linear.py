@@ -5,7 +5,10 @@ instructions torch's bf16 GEMM for more than one row re-reads the weights once p
 costs about T one-token steps, and its fp32 GEMM takes a slow path for 2-3 rows; speculation then
 cannot gain. :func:`specdec.kernels.skinny_linear` streams the weights once for all rows and is
 batch-invariant (a row's result does not depend on which other rows share the call), so verifying T
-tokens agrees bit for bit with one-token decoding through every linear layer.
+tokens agrees bit for bit with one-token decoding through every linear layer. On a CPU with AMX tiles
+``--linear auto`` gives bf16 products over :data:`AMX_PACKED_MAX_ROWS` rows to torch's GEMM, which is
+faster there and not batch-invariant: a wide verification may then round differently from one-token steps
+in bf16 (never in fp32); ``--linear packed`` keeps the kernel, and bit-exact bf16, up to 64 rows.
 
 Prefill has the opposite problem: a bf16/fp16 product over many rows on such a CPU is 3-6x slower
 than widening the weights to fp32 and calling the fp32 GEMM, so those calls are widened (where the
@@ -82,7 +85,7 @@ def cpu_has_matrix_tiles(dtype: torch.dtype) -> bool:
 AMX_PACKED_MAX_ROWS = 8
 
 
-def default_max_rows(dtype: torch.dtype, prepack: bool = False, tiles: bool = True) -> int:
+def default_max_rows(dtype: torch.dtype, prepack: bool = False, tiles: bool = False) -> int:
     """Rows up to which the skinny or packed kernel is used on CPU. Measured on an AVX2 CPU, 2 threads:
 
     - ``skinny_linear``: torch's fp32 GEMM catches up at about 16 rows. For bf16 it beats torch's bf16
@@ -199,11 +202,12 @@ def refresh_packed(model: nn.Module) -> None:
 
 
 def use_skinny_linear(model: nn.Module, max_rows: int | None = None, prepack: bool = False,
-                      tiles: bool = True) -> int:
+                      tiles: bool = False) -> int:
     """Replace every ``nn.Linear`` of ``model`` in place by a :class:`SkinnyLinear` sharing its parameters.
 
     max_rows: largest product sent to the kernel (default :func:`default_max_rows` of the weights'
-    dtype, kernel and ``tiles``). prepack: use the packed kernel (:func:`specdec.kernels.packed_linear`).
+    dtype, kernel and ``tiles``: on an AMX CPU, hand bf16 products over 8 rows to torch, as ``--linear auto``
+    does). prepack: use the packed kernel (:func:`specdec.kernels.packed_linear`).
     Returns the number of layers replaced.
     """
     count = 0

@@ -21,7 +21,8 @@ Attention over that layout has two implementations (``ModelRunner(attention=...)
 view ``[0, write_pos + N)`` as the prefix (keys at or past ``lengths[b]`` are never visible there) and
 the pending region ``[write_pos, write_pos + N)`` as its tree operands, so no dense mask is built;
 ``"sdpa"`` builds one dense ``[B,1,T,write_pos+N]`` mask per forward and calls SDPA (the fallback where
-no tree-attention kernel is built).
+no tree-attention kernel is built). Prompts on an empty cache are plain causal attention: on CPUs where torch
+runs AVX-512 kernels they take causal SDPA on either path (:data:`PROMPT_ATTENTION`).
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ PROMPT_ATTENTION = "sdpa"
 
 @functools.lru_cache(maxsize=None)
 def _prompt_sdpa(device_type: str) -> bool:
-    return device_type == "cpu" and torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+    return device_type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 # A ragged batch's prompts are encoded row by row when that computes fewer positions than one padded forward,
 # counting a row as at least this many (below it a forward's cost is the weights' read, not the tokens).

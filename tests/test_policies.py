@@ -131,3 +131,20 @@ def test_step_cost_keeps_a_table_per_batch_size():
     policy.observe_step(2, 123.0, rows=3)
     assert one.table == before and three.table[2] != before3[2]
     assert policy.budget([5, 5, 5]).cost is three and policy.budget([5]).cost is one
+
+
+def test_batch_cut_keeps_sampled_chains_aligned():
+    """A batch of sampled chains cut to one width keeps each kept node's token and its proposal distribution
+    (what sampling verification reads) together."""
+    import torch
+
+    from specdec.tree import DraftTree, SparseProbs
+
+    ids = torch.arange(2 * 3 * 2).reshape(2, 3, 2) + 20
+    probs = torch.rand(2, 3, 2, generator=torch.Generator().manual_seed(0))
+    tree = DraftTree.chain(torch.tensor([9, 8]), torch.tensor([[1, 2, 3], [4, 5, 6]]), SparseProbs(ids, probs))
+    tree.accept = torch.tensor([[1.0, 0.9, 0.5, 0.1], [1.0, 0.2, 0.1, 0.05]])
+    cut = prune(tree, StepCost({1: 1.0, 2: 1.1, 3: 2.0, 4: 3.0}, explore_every=0))  # width 1 (see above)
+    assert cut.is_chain and cut.tokens.tolist() == [[9, 1], [8, 4]] and cut.valid.all()
+    assert torch.equal(cut.draft_probs.ids, tree.draft_probs.ids[:, :2])
+    assert torch.equal(cut.draft_probs.probs, tree.draft_probs.probs[:, :2])

@@ -17,6 +17,7 @@ class StepCost:
 
     SIZES = (1, 2, 3, 4, 5, 6, 8, 11, 16)
     BATCH_SIZES = (1, 2, 3, 4, 6, 8, 12)  # a batch's steps are dearer: fewer, smaller sizes to time
+    MAX_CALIBRATION_ROWS = 64  # larger batches reuse this many rows' table (its [rows, 12, V] logits stay small)
 
     def __init__(self, table: dict[int, float], explore_every: int = 16):
         if not table or 1 not in table:
@@ -35,8 +36,13 @@ class StepCost:
         """:meth:`for_batch`, calibrating ``runner`` at ``rows`` rows first if no table exists for them (this
         resets the runner: call it before a generation starts)."""
         if rows > 1 and rows not in self.batches:
-            self.batches[rows] = StepCost.calibrate(runner, repeats=2, sizes=self.BATCH_SIZES, rows=rows,
-                                                    explore_every=self.explore_every)
+            timed = min(rows, self.MAX_CALIBRATION_ROWS)
+            if timed not in self.batches:
+                self.batches[timed] = StepCost.calibrate(runner, repeats=2, sizes=self.BATCH_SIZES, rows=timed,
+                                                         explore_every=self.explore_every)
+            # Past the cap the table starts from the capped batch's costs; the batch's own steps then update it.
+            self.batches[rows] = self.batches[timed] if timed == rows else StepCost(
+                dict(self.batches[timed].table), self.explore_every)
         return self.for_batch(rows)
 
     def explore(self) -> bool:
@@ -101,6 +107,13 @@ class StepCost:
         rows at once. ``extra_inputs(t) -> dict``: model inputs beside the tokens for ``t`` tokens (a
         feature-conditioned draft's ``target_hidden``, one row only); the prefix then goes through
         ``forward_tree`` as well."""
+        try:
+            return cls._calibrate(runner, context, repeats, sizes, extra_inputs, rows, explore_every)
+        finally:
+            runner.release()  # its buffers were sized for this throwaway run
+
+    @classmethod
+    def _calibrate(cls, runner, context, repeats, sizes, extra_inputs, rows, explore_every) -> "StepCost":
         import time
 
         import torch
@@ -129,5 +142,4 @@ class StepCost:
                 t0 = time.perf_counter()
                 runner.forward_tree(tree, extra_inputs=extra(t))
                 table[t] = min(table[t], time.perf_counter() - t0)
-        runner.release()
         return cls(table, explore_every)
