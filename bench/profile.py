@@ -170,6 +170,7 @@ def step_split(args: argparse.Namespace) -> None:
 STEP_COST = """The target's measured cost of one forward over T tree tokens, c(T), as the runtime calibrates it.
 
     python -m bench.profile step-cost --dtype bf16 --dtype fp32
+    python -m bench.profile step-cost --dtype bf16 --rows 16     # a 16-row batch's table (the batch planner's)
 
 The shape of c(T) decides what speculation can gain on a machine: where verifying T tokens costs about
 one step (a CPU with native bf16 matrix units, a GPU) long drafts and wide trees pay; where it grows
@@ -182,13 +183,15 @@ def step_cost(args: argparse.Namespace) -> None:
     from specdec.policies import StepCost
 
     out = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "context": args.context, "linear": args.linear,
-           "ms": {}}
+           "rows": args.rows, "ms": {}}
+    sizes = StepCost.SIZES if args.rows == 1 else StepCost.BATCH_SIZES
     for dtype in args.dtype or ["bf16", "fp32"]:
         dec = decoder(args.model, dtype, compile=args.compile, linear=args.linear)
-        cost = StepCost.calibrate(dec.runner, context=args.context, repeats=args.repeats)
+        cost = StepCost.calibrate(dec.runner, context=args.context, repeats=args.repeats, sizes=sizes, rows=args.rows)
         out["ms"][dtype] = {t: round(v * 1000, 1) for t, v in cost.table.items()}
     sizes = sorted({t for row in out["ms"].values() for t in row})
-    print(f"{out['cpu']}, {out['threads']} threads, {args.context}-token context, best of {args.repeats}, ms")
+    print(f"{out['cpu']}, {out['threads']} threads, {args.rows} row(s), {args.context}-token context, "
+          f"best of {args.repeats}, ms")
     print("| T | " + " | ".join(map(str, sizes)) + " |")
     print("|---|" + "---|" * len(sizes))
     for dtype, row in out["ms"].items():
@@ -524,6 +527,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=400)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--linear", default="auto", choices=list(LINEAR_KERNELS))
+    p.add_argument("--rows", type=int, default=1, help="batch rows per forward (a batch's table, as the planner's)")
     p.add_argument("--compile", default="off", choices=["off", "on"],
                    help="on: calibrate the compiled runner (compiled first); default off")
     p.set_defaults(run=step_cost)
