@@ -96,7 +96,7 @@ def default_max_rows(dtype: torch.dtype, prepack: bool = False, tiles: bool = Fa
       blocked for cache, so 256 is its limit.
 
     On a CPU with bf16 instructions (:func:`cpu_has_half_gemm`) but no AMX tiles, torch's bf16 GEMM catches
-    up with the packed kernel at about 48 rows (measured with oneDNN capped at AVX-512-BF16,
+    up with the packed kernel at 32-48 rows (measured with oneDNN capped at AVX-512-BF16,
     ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``), so both kernels keep 64 there. With ``tiles`` and AMX tiles
     for ``dtype`` (:func:`cpu_has_matrix_tiles`), torch's GEMM wins from 9 rows on:
     :data:`AMX_PACKED_MAX_ROWS`. fp16 was not measured and shares bf16's limits without tiles."""
