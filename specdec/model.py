@@ -27,7 +27,6 @@ runs AVX-512 kernels they take causal SDPA on either path (:data:`PROMPT_ATTENTI
 from __future__ import annotations
 
 import functools
-
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -66,6 +65,7 @@ PROMPT_ATTENTION = "sdpa"
 @functools.lru_cache(maxsize=None)
 def _prompt_sdpa(device_type: str) -> bool:
     return device_type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
 
 # A ragged batch's prompts are encoded row by row when that computes fewer positions than one padded forward,
 # counting a row as at least this many (below it a forward's cost is the weights' read, not the tokens).

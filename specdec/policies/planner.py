@@ -23,6 +23,18 @@ def best_length(acceptance: AcceptanceModel, cost: StepCost, signal: int, max_k:
     return best_k
 
 
+def _expected_and_costs(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost):
+    """What the size planners share: ``[B,T-1]`` expected accepted nodes when a row keeps its ``n = 1 ..``
+    likeliest nodes (host), ``[B]`` valid nodes per row, and ``c(1) .. c(T)``; ``(None, [0] * B, None)``
+    for a tree of roots only."""
+    r = reach[:, 1:].float().masked_fill(~valid[:, 1:], 0.0)
+    n_valid = valid[:, 1:].sum(-1).tolist()
+    if r.shape[1] == 0:
+        return None, [0] * r.shape[0], None
+    top = r.sort(dim=1, descending=True).values.cumsum(1).cpu()
+    return top, n_valid, torch.tensor(cost.costs(r.shape[1] + 1), dtype=top.dtype)
+
+
 def best_sizes(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost, explore: bool = False) -> list[int]:
     """Per row, how many draft nodes to verify: the ``n`` most likely to be reached.
 
@@ -32,12 +44,9 @@ def best_sizes(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost, explore
     ``explore``: one node more than the optimum where a row has one (so sizes the plan avoids get timed).
     Returns ``[B]`` host ints.
     """
-    r = reach[:, 1:].float().masked_fill(~valid[:, 1:], 0.0)
-    n_valid = valid[:, 1:].sum(-1).tolist()
-    if r.shape[1] == 0:
-        return [0] * r.shape[0]
-    top = r.sort(dim=1, descending=True).values.cumsum(1).cpu()  # [B,T-1] expected accepted with n = 1.. nodes
-    costs = torch.tensor(cost.costs(r.shape[1] + 1), dtype=top.dtype)
+    top, n_valid, costs = _expected_and_costs(reach, valid, cost)
+    if top is None:
+        return n_valid
     rates = torch.cat([torch.ones_like(top[:, :1]), 1.0 + top], 1) / costs  # [B,T]: n = 0 .. T-1
     # Rows may not verify more nodes than they hold.
     n = torch.arange(rates.shape[1])[None]
@@ -70,14 +79,12 @@ def batch_width(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost, active
     all it holds). reach, valid: ``[B,T]`` as in :func:`best_sizes`; active: rows still generating (the
     others emit nothing; default all). Returns ``[B]`` host ints.
     """
-    r = reach[:, 1:].float().masked_fill(~valid[:, 1:], 0.0)
-    n_valid = valid[:, 1:].sum(-1).tolist()
-    if r.shape[1] == 0:
-        return [0] * r.shape[0]
-    on = torch.ones(r.shape[0], dtype=torch.bool) if active is None else torch.tensor(active, dtype=torch.bool)
-    top = r.sort(dim=1, descending=True).values.cumsum(1).cpu()[on]  # [B',T-1] expected accepted with n = 1.. nodes
-    costs = torch.tensor(cost.costs(r.shape[1] + 1), dtype=top.dtype)
-    expected = torch.cat([torch.zeros(1, dtype=top.dtype), top.sum(0)]) + float(on.sum())  # n = 0 .. T-1
+    top, n_valid, costs = _expected_and_costs(reach, valid, cost)
+    if top is None:
+        return n_valid
+    if active is not None:
+        top = top[torch.tensor(active, dtype=torch.bool)]  # [B',T-1]: rows still generating
+    expected = torch.cat([torch.zeros(1, dtype=top.dtype), top.sum(0)]) + float(top.shape[0])  # n = 0 .. T-1
     width = int((expected / costs).argmax())  # the first (narrowest) among equal rates
     if explore:
         width = min(width + 1, max(n_valid))
