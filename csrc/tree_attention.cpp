@@ -15,6 +15,7 @@
 // a BLAS call spends more in dispatch and packing than in FMAs, and on CPUs without bf16 matrix
 // units MKL's bf16 GEMM is a slow emulation. Each chunk's keys are transposed once into fp32 panels
 // of 16 keys, and values are read in place (fp32, or one row block) or widened once into panels.
+// On AVX-512, tasks of few rows (decode steps, small trees) skip the panels: see "Few rows" below.
 // Every product accumulates in fp32, probabilities included.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,6 +23,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -41,6 +43,15 @@ constexpr int64_t kChunk = 256;     // keys per chunk: their fp32 panels (kChunk
 constexpr int64_t kMinRows = 12;    // rows (heads x queries) worth a task of their own (two row blocks)
 constexpr int64_t kMaxRows = 256;   // cap on rows per task (buffers)
 constexpr int64_t kTasksPerThread = 4;
+// Tasks of at most this many rows (query heads x queries) take the direct paths on AVX-512: alternating
+// builds, 1-64 queries, found them faster up to 32 rows (bench/RESULTS.md, Kernels).
+constexpr int64_t kDirectRows = 32;
+
+// kDirectRows, or $SPECDEC_ATTENTION_DIRECT_ROWS where set (0: always panels; for A/B runs and tests).
+int64_t direct_rows() {
+  const char* env = std::getenv("SPECDEC_ATTENTION_DIRECT_ROWS");
+  return env && *env ? std::atoll(env) : kDirectRows;
+}
 using panel::kPanel;
 using panel::v8;
 
@@ -188,6 +199,7 @@ struct Args {
   const int64_t* pos;    // [B, N] or null (no window)
   int64_t window;        // 0: none
   float scale;
+  int64_t direct_rows;   // tasks of at most this many rows take the direct paths (0: never)
   void* out;             // [B, Hq, T, D] contiguous
 };
 
@@ -324,17 +336,149 @@ SPECDEC_INLINE void mask_tree(Task& w, const Args& a, int64_t c0, int64_t j0, in
   }
 }
 
+// ---- Few rows: decode steps and small trees (M <= kDirectRows) ----
+// At M = G * tb of a few rows, transposing every key into panels costs more than the products it
+// feeds, and the panel kernel's 8-lane registers use half of an AVX-512 register. These 16-lane paths (one zmm on AVX-512, where only they are chosen) read keys and values in
+// place instead: a score is a dot product of the query with the key row, D / 16 FMAs into a 16-lane
+// accumulator per key, and the 16 accumulators of 16 keys fold into one vector of 16 scores by four
+// levels of two-vector shuffles (45 instructions per 16 keys, not 16 horizontal sums).
+using simd::vf;
+
+template <typename T>
+SPECDEC_INLINE vf load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return simd::load(p);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return simd::load_bf16(reinterpret_cast<const uint16_t*>(p));
+  } else {
+    return simd::load_f16(reinterpret_cast<const uint16_t*>(p));
+  }
+}
+
+SPECDEC_INLINE vf broadcast16(const float* p) {
+  const vf t = {*p};
+  return __builtin_shufflevector(t, t, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+// The folds: fold4(fold3(fold2(fold1(a0, a1), fold1(a2, a3)), ...)) has lane i = sum of a_i's lanes.
+// Level k leaves 16 / 2^k partial sums of each of 2^k vectors, in order.
+SPECDEC_INLINE vf fold1(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+SPECDEC_INLINE vf fold2(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+SPECDEC_INLINE vf fold3(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+SPECDEC_INLINE vf fold4(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// out[i] = scale * q . k_i for the 16 keys k_i = k + i * ldk (fp32, D % 16 == 0).
+SPECDEC_INLINE vf scores16(const float* q, const float* k, int64_t ldk, int64_t D, float scale) {
+  vf acc[16] = {};
+  for (int64_t d = 0; d < D; d += kLanes) {
+    const vf qv = simd::load(q + d);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] += qv * simd::load(k + i * ldk + d);
+  }
+  const vf lo = fold3(fold2(fold1(acc[0], acc[1]), fold1(acc[2], acc[3])),
+                      fold2(fold1(acc[4], acc[5]), fold1(acc[6], acc[7])));
+  const vf hi = fold3(fold2(fold1(acc[8], acc[9]), fold1(acc[10], acc[11])),
+                      fold2(fold1(acc[12], acc[13]), fold1(acc[14], acc[15])));
+  return fold4(lo, hi) * scale;
+}
+
+// S[r, j] = scale * q_r . k_j for the chunk's n keys, every row. Keys are read in place where they are
+// fp32 and a whole block of 16; otherwise a block is widened once into w.kp (16 x D), zero past n.
+template <typename scalar_t>
+SPECDEC_INLINE void direct_scores(Task& w, const scalar_t* k, int64_t stride, int64_t n, float scale) {
+  const int64_t D = w.D;
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, n - j0);
+    const float* tile = w.kp;
+    int64_t ldt = D;
+    if (std::is_same_v<scalar_t, float> && nk == 16) {
+      tile = reinterpret_cast<const float*>(k + j0 * stride);
+      ldt = stride;
+    } else {
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t d = 0; d < D; d += kLanes)
+          simd::store(w.kp + i * D + d, i < nk ? load16(k + (j0 + i) * stride + d) : vf{});
+    }
+    for (int64_t r = 0; r < w.M; ++r) simd::store(w.S + r * w.ld + j0, scores16(w.q + r * D, tile, ldt, D, scale));
+  }
+}
+
+// acc[r, d0 + 16 c ...] += sum_j P[r, j] v[j, d0 + 16 c ...] for MR rows, NV vectors of 16 columns.
+template <int MR, int NV, typename scalar_t>
+SPECDEC_INLINE void pv_block(const float* P, int64_t ldp, const scalar_t* v, int64_t stride, int64_t n, float* acc,
+                             int64_t ldacc) {
+  vf sum[MR][NV];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) sum[m][c] = simd::load(acc + m * ldacc + c * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    vf vv[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) vv[c] = load16(v + j * stride + c * kLanes);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const vf p = broadcast16(P + m * ldp + j);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) sum[m][c] += p * vv[c];
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) simd::store(acc + m * ldacc + c * kLanes, sum[m][c]);
+}
+
+template <int NV, typename scalar_t>
+SPECDEC_INLINE void pv_rows(Task& w, const scalar_t* v, int64_t stride, int64_t n, int64_t d0) {
+  for (int64_t r = 0; r < w.M; r += 4) {
+    const float* P = w.S + r * w.ld;
+    float* acc = w.acc + r * w.Dp + d0;
+    switch (std::min<int64_t>(4, w.M - r)) {
+      case 1: pv_block<1, NV>(P, w.ld, v + d0, stride, n, acc, w.Dp); break;
+      case 2: pv_block<2, NV>(P, w.ld, v + d0, stride, n, acc, w.Dp); break;
+      case 3: pv_block<3, NV>(P, w.ld, v + d0, stride, n, acc, w.Dp); break;
+      default: pv_block<4, NV>(P, w.ld, v + d0, stride, n, acc, w.Dp); break;
+    }
+  }
+}
+
+template <typename scalar_t>
+SPECDEC_INLINE void direct_pv(Task& w, const scalar_t* v, int64_t stride, int64_t n) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * kLanes <= w.D; d0 += 4 * kLanes) pv_rows<4>(w, v, stride, n, d0);
+  for (; d0 < w.D; d0 += kLanes) pv_rows<1>(w, v, stride, n, d0);
+}
+
 // Keys at rows [c0, c0 + n) of a segment: scores, mask, online softmax, acc += P . V.
 template <typename scalar_t>
 SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, int64_t c0, int64_t n) {
   const int64_t M = w.M, D = w.D, Dp = w.Dp, ld = w.ld;
-  pack_keys(seg.k + c0 * seg.stride_k, seg.stride_k, n, D, w.kp);
-  small_gemm<Epilogue::kScale>(w.q, D, M, D, w.kp, kPanel, D * kPanel, (n + kPanel - 1) / kPanel, w.S, ld, a.scale);
+  const bool direct = M <= a.direct_rows && D % kLanes == 0;
+  if (direct) {
+    direct_scores(w, seg.k + c0 * seg.stride_k, seg.stride_k, n, a.scale);
+  } else {
+    pack_keys(seg.k + c0 * seg.stride_k, seg.stride_k, n, D, w.kp);
+    small_gemm<Epilogue::kScale>(w.q, D, M, D, w.kp, kPanel, D * kPanel, (n + kPanel - 1) / kPanel, w.S, ld, a.scale);
+  }
   const int64_t n_prefix = std::clamp<int64_t>(seg.split - c0, 0, n);
   if (n_prefix > 0) mask_prefix(w, a, c0, 0, n_prefix);
   if (n_prefix < n) mask_tree(w, a, c0 + n_prefix - seg.split, n_prefix, n - n_prefix);
   softmax_chunk(w.S, M, n, ld, w.m, w.l, w.acc, D, Dp);
   const scalar_t* v = seg.v + c0 * seg.stride_v;
+  if (direct) return direct_pv(w, v, seg.stride_v, n);
   // Value rows are panels of 16 dims one row apart: read them in place when they need no widening,
   // or when one row block reads them once anyway.
   if (D % kPanel == 0 && (std::is_same_v<scalar_t, float> || M <= panel::kMaxRows)) {
@@ -519,6 +663,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache_
   a.pos = pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr;
   a.window = window.value_or(0);
   a.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
+  a.direct_rows = simd::best_isa() == simd::Isa::kAvx512 ? direct_rows() : 0;
   a.out = out.mutable_data_ptr();
   if (dtype == at::kFloat) {
     run<float>(a);

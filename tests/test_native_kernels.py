@@ -319,6 +319,28 @@ def test_tree_attention_native_edge_cases(dtype, b, hkv, group, d, t, s, lens, k
 
 
 @needs_tree_ops
+@pytest.mark.parametrize("direct_rows", ["0", "32", "1000"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "b,hkv,group,d,t,s,lens,kind,window",
+    [
+        (4, 3, 3, 64, 1, 300, [300, 17, 0, 299], None, None),  # a batched decode step (M = 3), ragged rows
+        (2, 1, 4, 256, 1, 40, [40, 33], None, 20),  # Gemma-like heads (D = 256, M = 4), a window
+        (1, 3, 3, 64, 6, 270, [270], "random", None),  # a small tree (M = 18)
+        (2, 2, 8, 48, 9, 30, [30, 5], "bushy", None),  # D = 48 (three 16-lane steps), M up to 72
+        (1, 1, 2, 16, 70, 33, [33], "chain", 40),  # long chain, tree keys across a chunk's 16-key blocks
+    ],
+)
+def test_tree_attention_native_direct_and_panel_paths(monkeypatch, direct_rows, dtype, b, hkv, group, d, t, s, lens,
+                                                      kind, window):
+    """Both CPU paths of the kernel against the reference: with ``SPECDEC_ATTENTION_DIRECT_ROWS`` 0 every
+    task goes through the key panels; with 32 (the default) and 1000, tasks of up to that many rows read
+    keys and values in place. (On CPUs without AVX-512 the panels serve every setting.)"""
+    monkeypatch.setenv("SPECDEC_ATTENTION_DIRECT_ROWS", direct_rows)
+    assert_tree_attention_close(b, hkv, group, d, t, s, lens, kind, dtype, seed=11, window=window)
+
+
+@needs_tree_ops
 def test_tree_attention_native_bad_inputs():
     q, kv, lens = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.tensor([5])
     tree = torch.randn(1, 2, 3, 8)
