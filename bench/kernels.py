@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -181,6 +182,57 @@ def tree_attention_case(t: int, dtype: torch.dtype) -> Case:
                 "dense bool mask from the packed mask + SDPA (enable_gqa)")
 
 
+def tree_sdpa_case(b: int, s: int, t: int, dtype: torch.dtype) -> Case:
+    """The kernel against SDPA with a dense mask built beforehand, as the runner's SDPA route shares one mask
+    among all layers of a forward (``specdec.model.WIDE_TREE_SDPA``): ``b`` rows of ``s`` cached tokens and a
+    random tree of ``t`` nodes each."""
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d = 9, 3, 64
+    q = torch.randn(b, hq, t, d, generator=g).to(dtype)
+    kv_k = torch.randn(b, hkv, s + t, d, generator=g).to(dtype)
+    kv_v = torch.randn(b, hkv, s + t, d, generator=g).to(dtype)
+    lens = torch.full((b,), s)
+    mask = K.pack_mask(torch.stack([_ancestors(random_tree_parents(t, g)) for _ in range(b)]))
+    dense = R.tree_attention_mask(lens, s, mask, t)
+    ours = lambda: K.tree_attention(q, kv_k[:, :, :s], kv_v[:, :, :s], lens, kv_k[:, :, s:], kv_v[:, :, s:], mask)  # noqa: E731
+    base = lambda: torch.nn.functional.scaled_dot_product_attention(q, kv_k, kv_v, attn_mask=dense, enable_gqa=True)  # noqa: E731
+    torch.testing.assert_close(ours().float(), base().float(), atol=2e-2, rtol=2e-2)
+    name = str(dtype).replace("torch.", "")
+    return Case("tree_attention", f"B={b} S={s} T={t} {name}: vs SDPA", ours, base, "SDPA, dense mask prebuilt")
+
+
+DIRECT_ROWS = "SPECDEC_ATTENTION_DIRECT_ROWS"
+
+
+def tree_attention_paths_case(b: int, s: int, t: int, dtype: torch.dtype) -> Case:
+    """The CPU kernel's two paths on one input: the default (tasks of up to 32 rows read keys and values in
+    place on AVX-512) against every task through the key panels (``SPECDEC_ATTENTION_DIRECT_ROWS=0``).
+    ``b`` rows of ``s`` cached tokens and a causal chain of ``t`` (a batched decode step at ``t = 1``)."""
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d = 9, 3, 64
+    q = torch.randn(b, hq, t, d, generator=g).to(dtype)
+    kv_k = torch.randn(b, hkv, s + t, d, generator=g).to(dtype)
+    kv_v = torch.randn(b, hkv, s + t, d, generator=g).to(dtype)
+    lens = torch.full((b,), s)
+    mask = K.pack_mask(torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, t, t)) if t > 1 else None
+    call = lambda: K.tree_attention(q, kv_k[:, :, :s], kv_v[:, :, :s], lens, kv_k[:, :, s:], kv_v[:, :, s:], mask)  # noqa: E731
+
+    def panels():
+        old = os.environ.get(DIRECT_ROWS)
+        os.environ[DIRECT_ROWS] = "0"
+        try:
+            return call()
+        finally:
+            if old is None:
+                del os.environ[DIRECT_ROWS]
+            else:
+                os.environ[DIRECT_ROWS] = old
+
+    torch.testing.assert_close(call().float(), panels().float(), atol=2e-2, rtol=2e-2)
+    name = str(dtype).replace("torch.", "")
+    return Case("tree_attention", f"B={b} S={s} T={t} {name}: direct", call, panels, f"key panels ({DIRECT_ROWS}=0)")
+
+
 def _ancestors(parents: torch.Tensor) -> torch.Tensor:
     t = parents.shape[0]
     vis = torch.eye(t, dtype=torch.bool)
@@ -242,6 +294,13 @@ CASES: list[tuple[str, Callable[[], Case]]] = [
     ("kv_compact", kv_compact_case),
     *((f"tree_attention-T{t}-{name}", functools.partial(tree_attention_case, t, dt))
       for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for t in (1, 8, 16, 64, 128)),
+    *((f"tree_attention_paths-B{b}-T{t}-{name}", functools.partial(tree_attention_paths_case, b, s, t, dt))
+      for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+      for b, s, t in ((16, 400, 1), (16, 400, 2), (16, 400, 6), (1, 1024, 1), (1, 1024, 8), (1, 1024, 16))),
+    *((f"tree_sdpa-B{b}-T{t}-{name}", functools.partial(tree_sdpa_case, b, s, t, dt))
+      for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+      for b, s, t in ((1, 400, 4), (1, 400, 6), (1, 400, 8), (1, 400, 11), (1, 400, 16), (1, 400, 32),
+                      (16, 400, 2), (16, 400, 4), (16, 400, 8))),
     ("tree_verify_greedy-typical", lambda: tree_verify_case("typical")),
     ("tree_verify_greedy-all", lambda: tree_verify_case("all")),
     *((f"skinny_linear-M{m}-{name}", functools.partial(skinny_linear_case, m, dt))

@@ -22,7 +22,8 @@ view ``[0, write_pos + N)`` as the prefix (keys at or past ``lengths[b]`` are ne
 the pending region ``[write_pos, write_pos + N)`` as its tree operands, so no dense mask is built;
 ``"sdpa"`` builds one dense ``[B,1,T,write_pos+N]`` mask per forward and calls SDPA (the fallback where
 no tree-attention kernel is built). Prompts on an empty cache are plain causal attention: on CPUs where torch
-runs AVX-512 kernels they take causal SDPA on either path (:data:`PROMPT_ATTENTION`).
+runs AVX-512 kernels they take causal SDPA on either path (:data:`PROMPT_ATTENTION`), and there forwards of at
+least :data:`WIDE_TREE_SDPA` tokens take SDPA with the dense mask too (torch's flash kernel, on AMX in bf16).
 """
 from __future__ import annotations
 
@@ -65,6 +66,15 @@ PROMPT_ATTENTION = "sdpa"
 @functools.lru_cache(maxsize=None)
 def _prompt_sdpa(device_type: str) -> bool:
     return device_type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+# On those CPUs, a forward of at least this many tokens per row (a wide tree or a long chain) attends through
+# SDPA with the dense mask instead of the kernel: torch's flash kernel (AMX tiles in bf16) overtakes the
+# kernel from about 8 queries on. SDPA's time over the kernel's, random trees over 400 cached tokens, Xeon,
+# one thread (`python -m bench.kernels --only tree_sdpa`): bf16 0.91 at T = 8, 0.52 at 16, 0.43 at 32, and
+# 0.89 for 16 rows at T = 8; fp32 0.91, 0.56, 0.53 and 1.05. None (``$SPECDEC_WIDE_TREE_SDPA=0``): always
+# the kernel.
+WIDE_TREE_SDPA: int | None = int(os.environ.get("SPECDEC_WIDE_TREE_SDPA") or 8) or None
 
 
 # A ragged batch's prompts are encoded row by row when that computes fewer positions than one padded forward,
@@ -155,10 +165,11 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=t > 1, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
-    # On the CPU the kernel beats SDPA at every size, one token included (0.05 against 0.065 ms per
-    # layer in fp32 and 0.49 ms in bf16 at a 400-token context); elsewhere a one-token step with every
-    # key visible is SDPA's unmasked (flash) path.
-    if meta.attention == "kernel" and (query.device.type == "cpu" or not meta.all_visible(window)):
+    # On the CPU the kernel beats SDPA for few queries, one token included (0.05 against 0.065 ms per layer
+    # in fp32 and 0.49 ms in bf16 at a 400-token context, AVX2), and at every size without AVX-512;
+    # elsewhere a one-token step with every key visible is SDPA's unmasked (flash) path.
+    wide = WIDE_TREE_SDPA is not None and t >= WIDE_TREE_SDPA and _prompt_sdpa(query.device.type)
+    if meta.attention == "kernel" and not wide and (query.device.type == "cpu" or not meta.all_visible(window)):
         p = meta.prefix_len
         # The whole cache view serves as the prefix: keys at or past cache_lens (<= p) are never visible.
         # The pending region [p, p + N) is the tree operand; the queries are its last T nodes.

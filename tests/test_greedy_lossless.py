@@ -8,6 +8,7 @@ import torch
 
 from specdec import methods
 from specdec.api import SpecDecoder, hf_generate
+from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig
 from tests.conftest import runnable, schedule_variants, tiny_model
 
@@ -164,6 +165,49 @@ def test_prompt_attention_paths(arch, path, monkeypatch):
         assert causal and max(causal) >= 22  # the prompts themselves, not only one-token steps
         if arch == "gemma3":
             assert max(causal) >= 39 and dec.model.config.sliding_window == 8  # full-attention layers only
+
+
+@pytest.mark.parametrize("wide", [None, 2])
+def test_wide_tree_attention_paths(arch, wide, monkeypatch):
+    """Forwards of at least ``WIDE_TREE_SDPA`` tokens attend through SDPA with the dense mask (where torch has
+    AVX-512 kernels), narrower ones through the kernel. With the route at 2 tokens (every tree, chain and
+    level-by-level draft tree) and off, every method's greedy output is transformers' on a ragged batch, and
+    a tree's logits agree between the two paths."""
+    import specdec.model as model_mod
+
+    monkeypatch.setattr(model_mod, "WIDE_TREE_SDPA", wide)
+    monkeypatch.setattr(model_mod, "_prompt_sdpa", lambda device_type: True)  # the route on any CPU
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    masked = []
+
+    def spy(*args, **kwargs):
+        if kwargs.get("attn_mask") is not None:
+            masked.append(args[0].shape[2])
+        return sdpa(*args, **kwargs)
+
+    dec = decoder(arch)
+    prompts = [prompt_of(n, seed=n) for n in (23, 6, 1, 40)]
+    refs = [hf_generate(dec.model, p, 16, GREEDY) for p in prompts]
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    for method, opts in (("ngrammys", {}), ("pld", {"num_tokens": 6}), ("gsd", {}), ("sd", {"draft_length": 4})):
+        out = dec.generate_ids(prompts, method, 16, GREEDY, **opts)
+        assert out.tokens == refs, method
+    if wide is None:
+        assert not masked
+    else:
+        assert masked and min(masked) >= wide
+    # One tree over ragged committed rows, through both paths: the same logits.
+    runner = dec.runner
+    logits = {}
+    for route in (None, 2):
+        monkeypatch.setattr(model_mod, "WIDE_TREE_SDPA", route)
+        runner.reset(2, 80)
+        ids = torch.tensor([prompts[0], prompts[3][:23]])
+        runner.prefill(ids, torch.tensor([23, 17]))
+        tree = DraftTree.from_chains(torch.tensor([5, 9]), [[[3, 4, 5], [3, 7]], [[8], [2, 6, 1, 4]]])
+        tree.build_mask()
+        logits[route] = runner.forward_tree(tree)[0]
+    torch.testing.assert_close(logits[None], logits[2], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("method,options", [(m, o) for m in methods.names() for o in schedule_variants(m)])
