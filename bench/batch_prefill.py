@@ -10,13 +10,16 @@ row where that computes fewer positions; a huge value forces the single padded `
     OMP_NUM_THREADS=1 python -m bench.batch_prefill --group 0 --max-new-tokens 24 --profile
 
 ``--linear packed --prompt-attention kernel`` runs the engine as it was before products over 8 rows went to
-torch's GEMM on AMX CPUs and prompts to causal SDPA (``--linear`` as in ``specdec bench``).
+torch's GEMM on AMX CPUs and prompts to causal SDPA (``--linear`` as in ``specdec bench``);
+``SPECDEC_ATTENTION_DIRECT_ROWS=0 SPECDEC_WIDE_TREE_SDPA=0`` in the environment, as it was before the
+tree-attention kernel's few-row path and the wide trees' SDPA route (both recorded in the output).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import time
 
 import torch
@@ -59,7 +62,9 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
         print(json.dumps({"group": args.group, "method": method, "row_min": args.row_min, "linear": args.linear,
                           "prompt_attention": args.prompt_attention,
-                          "prompt_sdpa_applies": model_mod._prompt_sdpa(dec.runner.device.type), "prompt_tokens": sum(lens),
+                          "prompt_sdpa_applies": model_mod._prompt_sdpa(dec.runner.device.type),
+                          "wide_tree_sdpa": model_mod.WIDE_TREE_SDPA,
+                          "attention_direct_rows": os.environ.get("SPECDEC_ATTENTION_DIRECT_ROWS"), "prompt_tokens": sum(lens),
                           "padded_tokens": len(lens) * max(lens), "new_tokens": sum(len(t) for t in res.tokens),
                           "seconds": round(seconds, 2), "prefill_seconds": round(res.stats.prefill_s, 2),
                           "decode_steps": res.stats.steps, "tokens_per_step": round(
