@@ -182,16 +182,21 @@ def tree_attention_case(t: int, dtype: torch.dtype) -> Case:
                 "dense bool mask from the packed mask + SDPA (enable_gqa)")
 
 
+def _batch_attention_inputs(b: int, s: int, t: int, dtype: torch.dtype, g: torch.Generator):
+    """SmolLM2's attention shape (Hq=9 Hkv=3 D=64): queries ``[b, 9, t, 64]``, keys and values
+    ``[b, 3, s + t, 64]`` (``s`` cached, then the tree), and ``lens [b]`` = ``s``."""
+    q = torch.randn(b, 9, t, 64, generator=g).to(dtype)
+    kv_k = torch.randn(b, 3, s + t, 64, generator=g).to(dtype)
+    kv_v = torch.randn(b, 3, s + t, 64, generator=g).to(dtype)
+    return q, kv_k, kv_v, torch.full((b,), s)
+
+
 def tree_sdpa_case(b: int, s: int, t: int, dtype: torch.dtype) -> Case:
     """The kernel against SDPA with a dense mask built beforehand, as the runner's SDPA route shares one mask
     among all layers of a forward (``specdec.model.WIDE_TREE_SDPA``): ``b`` rows of ``s`` cached tokens and a
     random tree of ``t`` nodes each."""
     g = torch.Generator().manual_seed(0)
-    hq, hkv, d = 9, 3, 64
-    q = torch.randn(b, hq, t, d, generator=g).to(dtype)
-    kv_k = torch.randn(b, hkv, s + t, d, generator=g).to(dtype)
-    kv_v = torch.randn(b, hkv, s + t, d, generator=g).to(dtype)
-    lens = torch.full((b,), s)
+    q, kv_k, kv_v, lens = _batch_attention_inputs(b, s, t, dtype, g)
     mask = K.pack_mask(torch.stack([_ancestors(random_tree_parents(t, g)) for _ in range(b)]))
     dense = R.tree_attention_mask(lens, s, mask, t)
     ours = lambda: K.tree_attention(q, kv_k[:, :, :s], kv_v[:, :, :s], lens, kv_k[:, :, s:], kv_v[:, :, s:], mask)  # noqa: E731
@@ -208,12 +213,7 @@ def tree_attention_paths_case(b: int, s: int, t: int, dtype: torch.dtype) -> Cas
     """The CPU kernel's two paths on one input: the default (tasks of up to 32 rows read keys and values in
     place on AVX-512) against every task through the key panels (``SPECDEC_ATTENTION_DIRECT_ROWS=0``).
     ``b`` rows of ``s`` cached tokens and a causal chain of ``t`` (a batched decode step at ``t = 1``)."""
-    g = torch.Generator().manual_seed(0)
-    hq, hkv, d = 9, 3, 64
-    q = torch.randn(b, hq, t, d, generator=g).to(dtype)
-    kv_k = torch.randn(b, hkv, s + t, d, generator=g).to(dtype)
-    kv_v = torch.randn(b, hkv, s + t, d, generator=g).to(dtype)
-    lens = torch.full((b,), s)
+    q, kv_k, kv_v, lens = _batch_attention_inputs(b, s, t, dtype, torch.Generator().manual_seed(0))
     mask = K.pack_mask(torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, t, t)) if t > 1 else None
     call = lambda: K.tree_attention(q, kv_k[:, :, :s], kv_v[:, :, :s], lens, kv_k[:, :, s:], kv_v[:, :, s:], mask)  # noqa: E731
 

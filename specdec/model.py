@@ -27,7 +27,6 @@ least :data:`WIDE_TREE_SDPA` tokens take SDPA with the dense mask too (torch's f
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -63,9 +62,12 @@ def default_attention(device: torch.device) -> str:
 PROMPT_ATTENTION = "sdpa"
 
 
-@functools.lru_cache(maxsize=None)
+# Read once at import: a call inside a compiled forward would break its graph (it returns a string).
+_CPU_AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 def _prompt_sdpa(device_type: str) -> bool:
-    return device_type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return device_type == "cpu" and _CPU_AVX512
 
 
 # On those CPUs, a forward of at least this many tokens per row (a wide tree or a long chain) attends through
@@ -346,8 +348,9 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Compile now (``compile=True``; otherwise nothing to do): one forward of each kind a single-row
-        decode loop runs, a single token, a chain, a tree and a tree past 32 nodes (a wider packed mask), on a
-        throwaway context. Drops all state."""
+        decode loop runs, a single token, a chain, a tree, a chain and a tree of at least
+        :data:`WIDE_TREE_SDPA` nodes (their attention route) and a tree past 32 nodes (a wider packed mask), on
+        a throwaway context. Drops all state."""
         if self._compiled is None:
             return
         # Sizes that equal no other dynamic size: symbols with equal values when first traced are unified
@@ -358,6 +361,7 @@ class ModelRunner:
         root = ids[:, 0]
         trees = (DraftTree.chain(root), DraftTree.chain(root, ids[:, :4]),
                  DraftTree.from_chains(root, [[[1, 2], [3, 4, 5]]]),
+                 DraftTree.chain(root, ids[:, :12]), DraftTree.from_chains(root, [[[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]]),
                  DraftTree.from_chains(root, [[[i, i + 1, i + 2] for i in range(1, 34, 3)]]))  # > 32 nodes: a wider mask
         for tree in trees:
             self.forward_tree(tree)

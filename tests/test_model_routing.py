@@ -44,6 +44,7 @@ def test_kernel_and_sdpa_paths_agree(arch, monkeypatch):
         raise AssertionError("the kernel path built a dense mask")
 
     monkeypatch.setattr("specdec.model.tree_attention_mask", no_dense)
+    monkeypatch.setattr("specdec.model.WIDE_TREE_SDPA", None)  # wide forwards' SDPA route: test_wide_tree_attention_paths
     got = run_steps(model, "kernel", prompts)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
