@@ -411,9 +411,14 @@ PATHS = ("sdpa", "kernel")
 
 
 def set_attention(dec, path: str) -> None:
+    """Every runner of ``dec`` on ``path``; ``"kernel"`` also keeps wide trees on the kernel (no SDPA route,
+    :data:`specdec.model.WIDE_TREE_SDPA`), which the ``"sdpa"`` path does not consult."""
+    import specdec.model as model_mod
+
     for runner in (dec.runner, dec.draft_runner):
         if runner is not None:
             runner.attention = path
+    model_mod.WIDE_TREE_SDPA = None
 
 
 def attention(args: argparse.Namespace) -> None:

@@ -23,9 +23,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -43,14 +43,18 @@ constexpr int64_t kChunk = 256;     // keys per chunk: their fp32 panels (kChunk
 constexpr int64_t kMinRows = 12;    // rows (heads x queries) worth a task of their own (two row blocks)
 constexpr int64_t kMaxRows = 256;   // cap on rows per task (buffers)
 constexpr int64_t kTasksPerThread = 4;
-// Tasks of at most this many rows (query heads x queries) take the direct paths on AVX-512: alternating
-// builds, 1-64 queries, found them faster up to 32 rows (bench/RESULTS.md, Kernels).
+// Tasks of at most this many rows (query heads x queries) take the direct paths on AVX-512. In a sweep of
+// 8, 16, 32 and 64 (processes alternating, 1-64 queries at one row and 16 rows, Xeon, two threads;
+// bench/results/tree_attention_direct_rows_sweep.jsonl) 32 was as fast as or faster than 8 and 16 throughout.
 constexpr int64_t kDirectRows = 32;
 
-// kDirectRows, or $SPECDEC_ATTENTION_DIRECT_ROWS where set (0: always panels; for A/B runs and tests).
-int64_t direct_rows() {
+// The row limit of the direct paths for this call: $SPECDEC_ATTENTION_DIRECT_ROWS where set, on any CPU
+// (0: always panels; A/B runs, and tests on CPUs without AVX-512), else kDirectRows on AVX-512 and 0 elsewhere
+// (16-lane vectors are two registers each on AVX2, and the 16 score accumulators would spill).
+int64_t direct_row_limit() {
   const char* env = std::getenv("SPECDEC_ATTENTION_DIRECT_ROWS");
-  return env && *env ? std::atoll(env) : kDirectRows;
+  if (env && *env) return std::atoll(env);
+  return simd::best_isa() == simd::Isa::kAvx512 ? kDirectRows : 0;
 }
 using panel::kPanel;
 using panel::v8;
@@ -336,12 +340,14 @@ SPECDEC_INLINE void mask_tree(Task& w, const Args& a, int64_t c0, int64_t j0, in
   }
 }
 
-// ---- Few rows: decode steps and small trees (M <= kDirectRows) ----
+// ---- Few rows: decode steps and small trees (M <= Args::direct_rows) ----
 // At M = G * tb of a few rows, transposing every key into panels costs more than the products it
-// feeds, and the panel kernel's 8-lane registers use half of an AVX-512 register. These 16-lane paths (one zmm on AVX-512, where only they are chosen) read keys and values in
-// place instead: a score is a dot product of the query with the key row, D / 16 FMAs into a 16-lane
-// accumulator per key, and the 16 accumulators of 16 keys fold into one vector of 16 scores by four
-// levels of two-vector shuffles (45 instructions per 16 keys, not 16 horizontal sums).
+// feeds, and the panel kernel's 8-lane registers use half of an AVX-512 register. These 16-lane paths
+// (one zmm on AVX-512, where they are chosen by default) skip the panels: a score is a dot product of the
+// query with the key row (fp32 keys read in place, others widened once per block of 16 keys), D / 16 FMAs
+// into a 16-lane accumulator per key, and the 16 accumulators of 16 keys fold into one vector of 16 scores by
+// four levels of two-vector shuffles (45 instructions per 16 keys, not 16 horizontal sums). P.V reads the
+// value rows as they are.
 using simd::vf;
 
 template <typename T>
@@ -403,10 +409,15 @@ SPECDEC_INLINE void direct_scores(Task& w, const scalar_t* k, int64_t stride, in
     const int64_t nk = std::min<int64_t>(16, n - j0);
     const float* tile = w.kp;
     int64_t ldt = D;
-    if (std::is_same_v<scalar_t, float> && nk == 16) {
-      tile = reinterpret_cast<const float*>(k + j0 * stride);
-      ldt = stride;
-    } else {
+    bool in_place = false;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      in_place = nk == 16;
+      if (in_place) {
+        tile = k + j0 * stride;
+        ldt = stride;
+      }
+    }
+    if (!in_place) {
       for (int64_t i = 0; i < 16; ++i)
         for (int64_t d = 0; d < D; d += kLanes)
           simd::store(w.kp + i * D + d, i < nk ? load16(k + (j0 + i) * stride + d) : vf{});
@@ -663,7 +674,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache_
   a.pos = pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr;
   a.window = window.value_or(0);
   a.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
-  a.direct_rows = simd::best_isa() == simd::Isa::kAvx512 ? direct_rows() : 0;
+  a.direct_rows = direct_row_limit();
   a.out = out.mutable_data_ptr();
   if (dtype == at::kFloat) {
     run<float>(a);

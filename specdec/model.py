@@ -19,7 +19,8 @@ and over the pending nodes its packed ``[B,F,ceil(N/32)]`` mask shows, without r
 Attention over that layout has two implementations (``ModelRunner(attention=...)``, default from
 ``$SPECDEC_ATTN``): ``"kernel"`` calls :func:`specdec.kernels.tree_attention` with the whole cache
 view ``[0, write_pos + N)`` as the prefix (keys at or past ``lengths[b]`` are never visible there) and
-the pending region ``[write_pos, write_pos + N)`` as its tree operands, so no dense mask is built;
+the pending region ``[write_pos, write_pos + N)`` as its tree operands, so no dense mask is built (but for
+wide trees on AVX-512 CPUs, below);
 ``"sdpa"`` builds one dense ``[B,1,T,write_pos+N]`` mask per forward and calls SDPA (the fallback where
 no tree-attention kernel is built). Prompts on an empty cache are plain causal attention: on CPUs where torch
 runs AVX-512 kernels they take causal SDPA on either path (:data:`PROMPT_ATTENTION`), and there forwards of at
@@ -70,13 +71,21 @@ def _prompt_sdpa(device_type: str) -> bool:
     return device_type == "cpu" and _CPU_AVX512
 
 
-# On those CPUs, a forward of at least this many tokens per row (a wide tree or a long chain) attends through
+def _wide_tree_sdpa(env: str | None) -> int | None:
+    value = int(env or 8)
+    if value < 0:
+        raise ValueError(f"SPECDEC_WIDE_TREE_SDPA={env!r}: a number of tokens, or 0 for never")
+    return value or None
+
+
+# On CPUs where torch runs AVX-512 kernels (:func:`_prompt_sdpa`), a forward of at least this many tokens per row (a wide tree or a long chain) attends through
 # SDPA with the dense mask instead of the kernel: torch's flash kernel (AMX tiles in bf16) overtakes the
 # kernel from about 8 queries on. SDPA's time over the kernel's, random trees over 400 cached tokens, Xeon,
-# one thread (`python -m bench.kernels --only tree_sdpa`): bf16 0.91 at T = 8, 0.52 at 16, 0.43 at 32, and
-# 0.89 for 16 rows at T = 8; fp32 0.91, 0.56, 0.53 and 1.05. None (``$SPECDEC_WIDE_TREE_SDPA=0``): always
-# the kernel.
-WIDE_TREE_SDPA: int | None = int(os.environ.get("SPECDEC_WIDE_TREE_SDPA") or 8) or None
+# one thread (`python -m bench.kernels --only tree_sdpa`): bf16 0.82 at T = 8, 0.43 at 16, 0.34 at 32, and
+# 0.91 for 16 rows at T = 8; fp32 0.94, 0.59, 0.54 and 1.05. Prompts on an empty cache are not trees: they keep
+# PROMPT_ATTENTION's choice (the kernel skips keys below a sliding window, where a dense mask would cost T^2).
+# None (``$SPECDEC_WIDE_TREE_SDPA=0``): always the kernel.
+WIDE_TREE_SDPA: int | None = _wide_tree_sdpa(os.environ.get("SPECDEC_WIDE_TREE_SDPA"))
 
 
 # A ragged batch's prompts are encoded row by row when that computes fewer positions than one padded forward,
@@ -97,7 +106,8 @@ class TreeAttentionMeta:
     attention: ``"kernel"`` or ``"sdpa"`` (see the module docstring); native: the compiled kernel when
     :func:`specdec.kernels.tree_attention` would dispatch to it, resolved once per forward so that the
     layers call it directly (the wrapper's checks and dispatch cost ~40 us per layer at batch 1).
-    Dense masks (``"sdpa"``) are built once per forward and per window size, then shared by all layers.
+    Dense masks (``"sdpa"``, and wide trees' route on ``"kernel"``) are built once per forward and per window
+    size, then shared by all layers.
     """
 
     cache_lens: torch.Tensor
@@ -170,7 +180,8 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
     # On the CPU the kernel beats SDPA for few queries, one token included (0.05 against 0.065 ms per layer
     # in fp32 and 0.49 ms in bf16 at a 400-token context, AVX2), and at every size without AVX-512;
     # elsewhere a one-token step with every key visible is SDPA's unmasked (flash) path.
-    wide = WIDE_TREE_SDPA is not None and t >= WIDE_TREE_SDPA and _prompt_sdpa(query.device.type)
+    wide = (WIDE_TREE_SDPA is not None and t >= WIDE_TREE_SDPA and _prompt_sdpa(query.device.type)
+            and not meta.is_prompt(None))
     if meta.attention == "kernel" and not wide and (query.device.type == "cpu" or not meta.all_visible(window)):
         p = meta.prefix_len
         # The whole cache view serves as the prefix: keys at or past cache_lens (<= p) are never visible.

@@ -171,10 +171,13 @@ def test_prompt_attention_paths(arch, path, monkeypatch):
 def test_wide_tree_attention_paths(arch, wide, monkeypatch):
     """Forwards of at least ``WIDE_TREE_SDPA`` tokens attend through SDPA with the dense mask (where torch has
     AVX-512 kernels), narrower ones through the kernel. With the route at 2 tokens (every tree, chain and
-    level-by-level draft tree) and off, every method's greedy output is transformers' on a ragged batch, and
-    a tree's logits agree between the two paths."""
+    level-by-level draft tree) and off, every method's greedy output is transformers' on a ragged batch;
+    prompts never take the route (Gemma3's sliding layers over prompts longer than its 8-token window keep
+    the kernel), and a tree's logits agree between the two paths."""
     import specdec.model as model_mod
 
+    if model_mod.default_attention(torch.device("cpu")) != "kernel":
+        pytest.skip("the route is the kernel path's (specdec._C is not built, or SPECDEC_ATTN=sdpa)")
     monkeypatch.setattr(model_mod, "WIDE_TREE_SDPA", wide)
     monkeypatch.setattr(model_mod, "_prompt_sdpa", lambda device_type: True)  # the route on any CPU
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -182,7 +185,7 @@ def test_wide_tree_attention_paths(arch, wide, monkeypatch):
 
     def spy(*args, **kwargs):
         if kwargs.get("attn_mask") is not None:
-            masked.append(args[0].shape[2])
+            masked.append((args[0].shape[2], args[1].shape[2]))  # queries, keys
         return sdpa(*args, **kwargs)
 
     dec = decoder(arch)
@@ -194,8 +197,9 @@ def test_wide_tree_attention_paths(arch, wide, monkeypatch):
         assert out.tokens == refs, method
     if wide is None:
         assert not masked
-    else:
-        assert masked and min(masked) >= wide
+        return
+    assert masked and min(t for t, _ in masked) >= wide
+    assert all(keys > t for t, keys in masked)  # trees over a cached prefix, never a prompt on an empty cache
     # One tree over ragged committed rows, through both paths: the same logits.
     runner = dec.runner
     logits = {}

@@ -50,6 +50,16 @@ def test_kernel_and_sdpa_paths_agree(arch, monkeypatch):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
+def test_wide_tree_route_setting():
+    """``$SPECDEC_WIDE_TREE_SDPA``: a number of tokens (8 by default), 0 for never; negative is an error."""
+    from specdec.model import _wide_tree_sdpa
+
+    assert _wide_tree_sdpa(None) == 8 and _wide_tree_sdpa("") == 8 and _wide_tree_sdpa("12") == 12
+    assert _wide_tree_sdpa("0") is None
+    with pytest.raises(ValueError, match="SPECDEC_WIDE_TREE_SDPA"):
+        _wide_tree_sdpa("-1")
+
+
 def test_attention_selection(monkeypatch):
     monkeypatch.setenv("SPECDEC_ATTN", "sdpa")
     assert default_attention(torch.device("cpu")) == "sdpa"

@@ -334,8 +334,8 @@ def test_tree_attention_native_edge_cases(dtype, b, hkv, group, d, t, s, lens, k
 def test_tree_attention_native_direct_and_panel_paths(monkeypatch, direct_rows, dtype, b, hkv, group, d, t, s, lens,
                                                       kind, window):
     """Both CPU paths of the kernel against the reference: with ``SPECDEC_ATTENTION_DIRECT_ROWS`` 0 every
-    task goes through the key panels; with 32 (the default) and 1000, tasks of up to that many rows read
-    keys and values in place. (On CPUs without AVX-512 the panels serve every setting.)"""
+    task goes through the key panels; with 32 (the AVX-512 default) and 1000, tasks of up to that many rows
+    skip them. An explicit setting applies on any CPU, so both paths run here whatever the instruction set."""
     monkeypatch.setenv("SPECDEC_ATTENTION_DIRECT_ROWS", direct_rows)
     assert_tree_attention_close(b, hkv, group, d, t, s, lens, kind, dtype, seed=11, window=window)
 
