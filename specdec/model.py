@@ -178,11 +178,10 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
             query, key, value, is_causal=t > 1, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
     # On the CPU the kernel beats SDPA for few queries, one token included (0.05 against 0.065 ms per layer
-    # in fp32 and 0.49 ms in bf16 at a 400-token context, AVX2), and at every size without AVX-512;
-    # elsewhere a one-token step with every key visible is SDPA's unmasked (flash) path.
-    wide = (WIDE_TREE_SDPA is not None and t >= WIDE_TREE_SDPA and _prompt_sdpa(query.device.type)
-            and not meta.is_prompt(None))
-    if meta.attention == "kernel" and not wide and (query.device.type == "cpu" or not meta.all_visible(window)):
+    # in fp32 and 0.49 ms in bf16 at a 400-token context, AVX2), and at every size without AVX-512 (wide trees
+    # there come with meta.attention "sdpa": ModelRunner._run); elsewhere a one-token step with every key
+    # visible is SDPA's unmasked (flash) path.
+    if meta.attention == "kernel" and (query.device.type == "cpu" or not meta.all_visible(window)):
         p = meta.prefix_len
         # The whole cache view serves as the prefix: keys at or past cache_lens (<= p) are never visible.
         # The pending region [p, p + N) is the tree operand; the queries are its last T nodes.
@@ -416,11 +415,15 @@ class ModelRunner:
             input_ids, positions = _inference(input_ids), _inference(positions)
             tree_mask = None if tree_mask is None else _inference(tree_mask)
             key_positions = None if key_positions is None else _inference(key_positions)
+        attention = self.attention
+        if (attention == "kernel" and WIDE_TREE_SDPA is not None and t >= WIDE_TREE_SDPA and _prompt_sdpa(self.device.type)
+                and not (self.cache.write_pos + self.cache.pending == 0 and tree_mask is None)):
+            attention = "sdpa"  # a wide tree or chain on an AVX-512 CPU (prompts on an empty cache excepted)
         native = None
-        if self.attention == "kernel" and kernels.choose("tree_attention", self.device, None, ("cpu",), triton=True) == "native":
+        if attention == "kernel" and kernels.choose("tree_attention", self.device, None, ("cpu",), triton=True) == "native":
             native = kernels.native_ops().tree_attention
         meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions, self.batch_size == 1,
-                                 self.attention, native, key_positions)
+                                 attention, native, key_positions)
         out = forward(
             input_ids=input_ids,
             position_ids=positions,
