@@ -157,6 +157,9 @@ def _corpus_args(c: argparse.ArgumentParser) -> None:
       "the user turns continue, one per shard in turn, to steer Magpie towards those tasks (e.g. "
       "specdec/data/magpie_openings.jsonl: summarization, rag, translation)")
     a("--magpie-samples", type=int, default=0, help="sampled replies per user turn, besides the greedy one")
+    a("--reply-order", default="oldest", choices=["oldest", "newest"], help="which user-turn shards are answered "
+      "first when time runs short: oldest (in the order written) or newest (e.g. the turns just steered by "
+      "--magpie-openings)")
     a("--prompts", action="append", default=[], help="prompt file (JSON lines) to reply to; repeatable")
     a("--samples", type=int, default=1, help="sampled replies per --prompts prompt, besides the greedy one")
     a("--temperature", type=float, default=0.8, help="temperature of the sampled replies")
@@ -200,7 +203,7 @@ def _distill_args(d: argparse.ArgumentParser) -> None:
     a("--unroll", type=int, default=1, help="eagle: training passes that read the draft's own states (1 or 2)")
     a("--labels", default="full", help="soft labels: full (the target's distribution over the draft vocabulary), "
       "topk:K (its K most likely tokens, renormalised) or hard (its argmax)")
-    a("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent reply tokens)")
+    a("--draft-vocab", type=int, default=None, help="draft vocabulary size (most frequent reply tokens; default 8192)")
     a("--max-context", type=int, default=256, help="prompt tokens kept before the reply when training")
     a("--max-positions", type=int, default=None, help="train on a seeded subset of about N reply tokens "
       "(data-size curves)")
@@ -220,6 +223,9 @@ def _distill_args(d: argparse.ArgumentParser) -> None:
     a("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     a("--device", default="cpu", help="where the teacher runs and the draft trains: cpu (default) or cuda")
     a("--seed", type=int, default=0)
+    a("--init", default=None, metavar="DRAFT", help="go on training this draft (a name such as smollm2-eagle or a "
+      "folder; same --arch) with its own layers and vocabulary instead of starting from target layers; the "
+      "prompts it was held out on stay held out and those it trained on stay in training")
     a("--resume", action="store_true", help="continue training from WORK/ckpt.pt")
 
 

@@ -158,6 +158,57 @@ def test_distill_end_to_end_on_a_tiny_target(tmp_path, arch):
     assert dec.generate_ids([p], "sd", 16).tokens[0] == hf_generate(target, p, 16, SamplingConfig())
 
 
+def test_distill_init_goes_on_from_a_draft_with_a_clean_held_out_set(tmp_path, capsys):
+    """--init: the draft keeps its vocabulary and weights, its held-out prompts stay held out, the prompts
+    it trained on never become held-out ones, and new prompts are split as usual."""
+    from safetensors.torch import load_file
+
+    _, tdir = _tiny_target(tmp_path)
+    corpus = tmp_path / "corpus"
+    gen = ["corpus", "--target", str(tdir), "--out", str(corpus), "--samples", "0", "--gen-dtype", "fp32",
+           "--gen-tokens", "8", "--batch-size", "4"]
+    assert cli_main(gen + ["--prompts", str(_prompt_file(tmp_path))]) == 0
+    common = ["distill", "--target", str(tdir), "--corpus", str(corpus), "--arch", "eagle", "--max-tokens", "64",
+              "--held-out", "0.2", "--eval-every", "0", "--no-autocast"]
+    first = tmp_path / "first"
+    assert cli_main(common + ["--out", str(first), "--work", str(tmp_path / "w1"), "--layers", "1",
+                              "--draft-vocab", "40", "--steps", "3"]) == 0
+    s1 = json.loads((first / "distill_summary.json").read_text())
+    old_ids = {f"p{i}" for i in range(12)}
+    # more prompts arrive in the corpus
+    new_file = tmp_path / "more.jsonl"
+    new_file.write_text(_prompt_file(tmp_path, 20, "tmp.jsonl", seed=1).read_text().replace('"id": "p', '"id": "n'))
+    assert cli_main(gen + ["--prompts", str(new_file)]) == 0
+
+    def go_on(name, *extra):
+        assert cli_main(common + ["--out", str(tmp_path / name), "--work", str(tmp_path / f"w_{name}"),
+                                  "--init", str(first), *extra]) == 0
+        return json.loads((tmp_path / name / "distill_summary.json").read_text())
+
+    s2 = go_on("second", "--steps", "0")
+    held = set(s2["held_out_ids"])
+    assert set(s1["held_out_ids"]) <= held and not (held & (old_ids - set(s1["held_out_ids"])))
+    assert {i[0] for i in held - set(s1["held_out_ids"])} == {"n"} and s2["init"]["draft"] == str(first)
+    assert s2["draft_vocab"] == 40 and s2["layers"] == [1] and len(s2["reply_shard_names"]) == 2
+    w1, w2 = load_file(first / "model.safetensors"), load_file(tmp_path / "second" / "model.safetensors")
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)   # no steps: the same draft
+    # an older summary without shard names: its first reply shards are what it saw
+    del s1["reply_shard_names"]
+    (first / "distill_summary.json").write_text(json.dumps(s1))
+    s3 = go_on("third", "--steps", "2")
+    assert set(s3["held_out_ids"]) == held and s3["steps"] == 2
+    for extra, msg in [(["--arch", "layers"], "not --arch layers"), (["--layers", "1"], "drop --layers"),
+                       (["--draft-vocab", "40"], "drop --layers")]:
+        assert cli_main(common + ["--out", str(tmp_path / "x"), "--work", str(tmp_path / "wx"), "--init", str(first),
+                                  "--steps", "1"] + extra) != 0
+        assert msg in capsys.readouterr().err
+    s1["corpora"] = ["elsewhere"]
+    (first / "distill_summary.json").write_text(json.dumps(s1))
+    assert cli_main(common + ["--out", str(tmp_path / "x"), "--work", str(tmp_path / "wx"), "--init", str(first),
+                              "--steps", "1"]) != 0
+    assert "held-out measurement would not be clean" in capsys.readouterr().err
+
+
 def test_corpus_shards_round_trip_and_store_uint16(tmp_path):
     from specdec.distill.corpus import Corpus, Record
 
@@ -433,3 +484,27 @@ def test_magpie_openings_steer_the_user_turns(tmp_path, monkeypatch):
         path.write_text(bad + "\n")
         with pytest.raises(ValueError, match="opening"):
             magpie.read_openings(str(path))
+
+
+@pytest.mark.parametrize("order", ["oldest", "newest"])
+def test_corpus_reply_order(tmp_path, monkeypatch, order):
+    """--reply-order: the user-turn shards are answered in the order written, or newest first (so the
+    turns just steered by --magpie-openings are answered before a time budget runs out)."""
+    from specdec.distill import data, magpie
+    from specdec.distill.corpus import Corpus, target_fingerprint
+
+    target, tdir = _tiny_target(tmp_path, chat=True)
+    _, tok = load_model(str(tdir))
+    counter = iter(range(20, 60))
+    monkeypatch.setattr(magpie, "generate", lambda m, prompts, *a: [([next(counter) for _ in range(3)] + [1], True)
+                                                                      for _ in prompts])
+    monkeypatch.setattr(magpie, "_ENGLISH", frozenset(f"t{i}" for i in range(20, 60)))
+    monkeypatch.setattr(magpie, "words", lambda text: text.split())
+    corpus = Corpus.open(tmp_path / "c", str(tdir), target_fingerprint(target, tok), "fp32")
+    magpie.make_user_turns(None, tok, corpus, 6, batch_size=2, max_tokens=8, eos={1}, pad_id=0)
+    answered = []
+    monkeypatch.setattr(data, "make_replies", lambda model, corpus, sets, *a, **k: answered.extend(n for n, _ in sets))
+    assert cli_main(["corpus", "--target", str(tdir), "--out", str(tmp_path / "c"), "--gen-dtype", "fp32",
+                     "--magpie", "6", "--reply-order", order]) == 0
+    written = ["user_0000", "user_0001", "user_0002"]
+    assert answered == (written if order == "oldest" else written[::-1])

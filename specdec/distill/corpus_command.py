@@ -47,7 +47,8 @@ def run_corpus(args) -> dict:
     if args.magpie > 0:
         make_user_turns(model, tok, corpus, args.magpie, args.magpie_batch, args.magpie_tokens, eos, pad, dev_texts,
                         args.magpie_temperature, args.magpie_top_p, args.seed, deadline, info, openings=openings)
-    for s in corpus.shards("user"):
+    user_shards = corpus.shards("user")
+    for s in (user_shards[::-1] if args.reply_order == "newest" else user_shards):
         if deadline is not None and time.time() > deadline:
             break
         make_replies(model, corpus, [(s["name"], user_turn_prompts(corpus, tok, s["name"]))],

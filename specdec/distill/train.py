@@ -147,6 +147,59 @@ def train(draft, loss_fn, examples: list[Example], held_out: list[Example], ckpt
     return result
 
 
+def load_init_draft(path: str, arch: str, target, device: str):
+    """``(draft, its distill_summary or None)`` for ``--init``: a draft of kind ``arch`` (``eagle`` or
+    ``layers``) made for ``target``'s vocabulary and width, in fp32 on ``device``, ready to train on."""
+    from specdec.draft_models.eagle import is_feature_draft
+    from specdec.draft_models.reduced import SpecdecDraftForCausalLM
+    from specdec.hub import load_model, resolve
+
+    draft, _ = load_model(path, "fp32", device)
+    if not isinstance(draft, SpecdecDraftForCausalLM):
+        raise ValueError(f"--init {path} is not a specdec draft (got {type(draft).__name__})")
+    if is_feature_draft(draft) != (arch == "eagle"):
+        raise ValueError(f"--init {path} is {'an eagle' if is_feature_draft(draft) else 'a layers'} draft, "
+                         f"not --arch {arch}")
+    tcfg, dcfg = target.config.get_text_config(), draft.config
+    if (dcfg.vocab_size, dcfg.hidden_size) != (tcfg.vocab_size, tcfg.hidden_size):
+        raise ValueError(f"--init {path} drafts for a vocabulary of {dcfg.vocab_size} and width {dcfg.hidden_size}; "
+                         f"the target has {tcfg.vocab_size} and {tcfg.hidden_size}")
+    summary_file = resolve(path) / "distill_summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
+    for p in draft.parameters():
+        p.requires_grad_(True)
+    return draft.train(), summary
+
+
+def held_out_for(records: list, share: float, seed: int, init_summary: dict | None, corpora: list[str]) -> set[str]:
+    """The held-out prompt ids. ``records``: ``(record, greedy, shard name)``.
+
+    From scratch: :func:`held_out_split` over every prompt. Going on from a draft (``init_summary``, its
+    ``distill_summary.json``): its own held-out prompts stay held out, the prompts it trained on stay in
+    training, and a share of the prompts new to it is held out, so the held-out set never holds a prompt
+    the draft has seen. What it saw: its ``reply_shard_names``, or for older summaries the first
+    ``reply_shards`` reply shards of its corpora (shards are only ever appended)."""
+    by_cat: dict[str, list[str]] = {}
+    if init_summary is None:
+        for r, _, _ in records:
+            by_cat.setdefault(r.category, []).append(r.id)
+        return held_out_split(by_cat, share, seed)
+    names = init_summary.get("reply_shard_names")
+    if names is None:
+        theirs = [Path(c).name for c in init_summary.get("corpora", [])]
+        if theirs != [Path(c).name for c in corpora]:
+            raise ValueError(f"the --init draft was trained on the corpora {theirs}, not {corpora}: which of their "
+                             "prompts it saw is unknown, so its held-out measurement would not be clean")
+        order = list(dict.fromkeys(name for _, _, name in records))
+        names = order[: init_summary.get("reply_shards", 0)]
+    old_held, seen_shards = set(init_summary.get("held_out_ids", [])), set(names)
+    seen = {r.id for r, _, name in records if name in seen_shards} - old_held
+    for r, _, _ in records:
+        if r.id not in seen and r.id not in old_held:
+            by_cat.setdefault(r.category, []).append(r.id)
+    return (old_held & {r.id for r, _, _ in records}) | held_out_split(by_cat, share, seed)
+
+
 def _subset(examples: list[Example], max_positions: int | None, seed: int) -> list[Example]:
     """A seeded subset of ``examples`` holding about ``max_positions`` reply tokens (all when None)."""
     if not max_positions:
@@ -174,6 +227,8 @@ def run_distill(args) -> dict:
         raise ValueError(f"--unroll must be >= 1, and above 1 only with --arch eagle (got {args.unroll}, {args.arch})")
     if args.max_context < 1 or not 0 <= args.held_out < 1:
         raise ValueError(f"--max-context must be >= 1 and --held-out in [0, 1), got {args.max_context}, {args.held_out}")
+    if args.init and (args.layers or args.draft_vocab):
+        raise ValueError("--init continues a draft with its own layers and vocabulary: drop --layers / --draft-vocab")
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
@@ -206,7 +261,7 @@ def run_distill(args) -> dict:
         corpora = corpora or [str(root)]
     if not corpora:
         raise ValueError("nothing to train on: give --corpus DIR (made by `specdec corpus`) or --prompts FILE")
-    records, shards, dtypes = [], 0, set()   # (record, whether it is a greedy reply)
+    records, shard_names, dtypes = [], [], set()   # (record, whether it is a greedy reply, its shard)
     for root in corpora:
         c = Corpus.load(root)
         dtypes.add(c.manifest["gen_dtype"])
@@ -216,14 +271,17 @@ def run_distill(args) -> dict:
             raise CorpusMismatch(f"corpus {root} was made by another target or vocabulary "
                                  f"({c.manifest['target']}, {c.manifest['fingerprint']}) than --target {args.target} ({fp})")
         for s in c.shards("reply"):
-            records += [(r, s["sampling"]["temperature"] == 0) for r in c.read(s["name"])]
-            shards += 1
+            name = f"{Path(root).name}/{s['name']}"
+            records += [(r, s["sampling"]["temperature"] == 0, name) for r in c.read(s["name"])]
+            shard_names.append(name)
+    shards = len(shard_names)
     if not records:
         raise ValueError(f"no reply shards in {corpora}: add replies with `specdec corpus`")
-    by_cat: dict[str, list[str]] = {}
-    for r, _ in records:
-        by_cat.setdefault(r.category, []).append(r.id)
-    held = held_out_split(by_cat, args.held_out, args.seed)
+    init = init_summary = None
+    if args.init:
+        init, init_summary = load_init_draft(args.init, args.arch, target, args.device)
+    held = held_out_for(records, args.held_out, args.seed, init_summary, corpora)
+    records = [(r, greedy) for r, greedy, _ in records]
     held_recs = [r for r, greedy in records if r.id in held and greedy]
     examples_all = [e for r, greedy in records if r.id not in held for e in make_examples([r], args.max_context, greedy)]
     held_out = make_examples(held_recs, args.max_context, True)
@@ -248,12 +306,16 @@ def run_distill(args) -> dict:
 
     vt = target.config.get_text_config().vocab_size
     counts = count_tokens((reply(e) for e in examples), vt)
-    vocab = select_vocab(counts, args.draft_vocab, eos_ids(target, tok))
+    if init is not None:   # the draft goes on with its own vocabulary and layers
+        draft, vocab = init, init.draft_vocab.cpu()
+        layers = list(init_summary.get("layers") or []) if init_summary else []
+    else:
+        vocab = select_vocab(counts, args.draft_vocab or 8192, eos_ids(target, tok))
+        layers = [int(i) for i in (args.layers or ("29" if args.arch == "eagle" else "0,29")).split(",")]
+        make = eagle_from_target if args.arch == "eagle" else draft_from_target
+        draft = make(target, layers, vocab, args.target).to(args.device)
     held_counts = count_tokens((reply(e) for e in held_out), vt)
     cov = {"train": coverage(counts, vocab), "held_out": coverage(held_counts, vocab) if held_out else None}
-    layers = [int(i) for i in (args.layers or ("29" if args.arch == "eagle" else "0,29")).split(",")]
-    make = eagle_from_target if args.arch == "eagle" else draft_from_target
-    draft = make(target, layers, vocab, args.target).to(args.device)
     eval_set = held_out
     if args.eval_positions:  # a fixed, seeded part of the held-out set for the checks during training
         eval_set = list(held_out)
@@ -290,7 +352,9 @@ def run_distill(args) -> dict:
     draft.cpu().to(dtype).save_pretrained(out)
     summary = {"target": args.target, "arch": args.arch, "layers": layers, "draft_vocab": int(vocab.numel()),
                "labels": args.labels, "unroll": args.unroll if args.arch == "eagle" else None,
-               "coverage": cov, "corpora": corpora, "reply_shards": shards, "positions": positions,
+               "init": {"draft": args.init, "command": (init_summary or {}).get("command")} if args.init else None,
+               "coverage": cov, "corpora": corpora, "reply_shards": shards, "reply_shard_names": shard_names,
+               "positions": positions,
                "held_out_prompts": len(held), "held_out_ids": sorted(held), "device": device, "command": command,
                "total_seconds": round(time.time() - t0), **result}
     (out / "distill_summary.json").write_text(json.dumps(summary, indent=1))
