@@ -188,7 +188,8 @@ def test_distill_init_goes_on_from_a_draft_with_a_clean_held_out_set(tmp_path, c
     s2 = go_on("second", "--steps", "0")
     held = set(s2["held_out_ids"])
     assert set(s1["held_out_ids"]) <= held and not (held & (old_ids - set(s1["held_out_ids"])))
-    assert {i[0] for i in held - set(s1["held_out_ids"])} == {"n"} and s2["init"]["draft"] == str(first)
+    assert {i[0] for i in held - set(s1["held_out_ids"])} == {"n"}
+    assert s2["init"] == {"draft": str(first), "command": s1["command"], "init": None}
     assert s2["draft_vocab"] == 40 and s2["layers"] == [1] and len(s2["reply_shard_names"]) == 2
     w1, w2 = load_file(first / "model.safetensors"), load_file(tmp_path / "second" / "model.safetensors")
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)   # no steps: the same draft

@@ -352,7 +352,8 @@ def run_distill(args) -> dict:
     draft.cpu().to(dtype).save_pretrained(out)
     summary = {"target": args.target, "arch": args.arch, "layers": layers, "draft_vocab": int(vocab.numel()),
                "labels": args.labels, "unroll": args.unroll if args.arch == "eagle" else None,
-               "init": {"draft": args.init, "command": (init_summary or {}).get("command")} if args.init else None,
+               "init": {"draft": args.init, "command": (init_summary or {}).get("command"),  # the whole lineage
+                        "init": (init_summary or {}).get("init")} if args.init else None,
                "coverage": cov, "corpora": corpora, "reply_shards": shards, "reply_shard_names": shard_names,
                "positions": positions,
                "held_out_prompts": len(held), "held_out_ids": sorted(held), "device": device, "command": command,
