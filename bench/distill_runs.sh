@@ -5,7 +5,8 @@
 #   bash bench/distill_runs.sh main     # the shipped drafts: both kinds on the whole corpus
 #   bash bench/distill_runs.sh shapes   # draft shapes and the data-size curve, on seeded subsets
 #   bash bench/distill_runs.sh gpu      # the same on one GPU, nine runs at once for MINUTES (5.5) each: the
-#                                       # shipped smollm2-eagle is its "eagle" (H100, bench/RESULTS.md)
+#                                       # first GPU-trained smollm2-eagle is its "eagle" (H100, bench/RESULTS.md)
+#   bash bench/distill_runs.sh gpu-init # the shipped smollm2-eagle: "eagle" above, gone on with --init (H100)
 # Drafts land in ${RUNS:-/tmp/distill_runs}/NAME, their logs in .../w_NAME/log.jsonl.
 set -euo pipefail
 R=${RUNS:-/tmp/distill_runs}
@@ -41,4 +42,22 @@ case ${1:-main} in
     grun eagle-topk8 --arch eagle --layers 29 --lr 1e-3 --labels topk:8 &
     for n in 250000 500000 1000000; do grun eagle-$n --arch eagle --layers 29 --lr 1e-3 --max-positions $n & done
     wait ;;
+  gpu-init)  # the shipped smollm2-eagle (bench/RESULTS.md "Going on from a draft"), on one H100 in 9.5 minutes:
+    # grow the corpus (2 more sampled replies per training prompt, Magpie turns steered by task openings, newest
+    # answered first), three runs at once, then the best one 2.2 minutes more on the corpus as it was before
+    # (git 6bcc5a7's; the device's working tree was re-sent between the two calls, so that is what it read)
+    specdec corpus --target smollm2 --out $C --device cuda --gen-dtype bf16 --prompts specdec/data/train_prompts.jsonl \
+      --samples 6 --temperature 0.8 --magpie 40600 --magpie-batch 2048 --magpie-tokens 384 --magpie-temperature 0.8 \
+      --magpie-openings specdec/data/magpie_openings.jsonl --reply-order newest --exclude bench/dev_prompts.jsonl \
+      --gen-tokens 192 --batch-size 2048 --shard-prompts 4096 --minutes 2.8
+    I="--target smollm2 --device cuda --threads 5 --max-tokens 16384 --steps 100000 --eval-every 250 \
+      --eval-positions 20000 --patience 5 --held-out 0.03 --arch eagle"
+    irun() { name=$1; shift; python -m specdec distill $I --out $R/$name --work $R/w_$name "$@" > $R/$name.log 2>&1; }
+    G="--corpus $C --train-minutes 4.22 --seed 0"
+    irun init-c1024 $G --init smollm2-eagle --max-context 1024 --lr 5e-4 &
+    irun init-c256 $G --init smollm2-eagle --max-context 256 --lr 5e-4 &
+    irun c1024 $G --layers 29 --max-context 1024 --lr 1e-3 & wait
+    mkdir -p $R/before && git archive 6bcc5a7 $C | tar x -C $R/before
+    irun init-c1024-more --corpus $R/before/$C --train-minutes 2.2 --seed 1 --threads 15 --init $R/init-c1024 \
+      --max-context 1024 --lr 3e-4 ;;
 esac
