@@ -137,6 +137,21 @@ def test_cost_mode_weighs_acceptance_against_draft_and_verify_cost():
     assert not stop.keep_going(1, torch.randn(1, 16), torch.tensor([1])).item()
 
 
+class _BatchCost(_Cost):
+    """Cheap steps for one row; a batch's own table (``for_batch``) makes every node dear."""
+
+    def for_batch(self, rows):
+        return self if rows == 1 else _Cost(10.0)
+
+
+def test_cost_mode_reads_the_batchs_own_step_costs():
+    stop = DiscoStop(_Constant({1: 4.0}), "cost", cost=_BatchCost(0.05), draft_seconds=0.1)
+    stop.begin(1)
+    assert stop.keep_going(1, torch.randn(1, 16), torch.tensor([1])).item()
+    stop.begin(2)   # two rows verify together: one more node costs what the batch's table says
+    assert stop.keep_going(1, torch.randn(2, 16), torch.tensor([1, 2])).tolist() == [False, False]
+
+
 def test_oracle_stops_at_the_first_disagreement():
     state = SimpleNamespace(seq=torch.tensor([[7, 8, 20, 0, 0]]), seq_lens_host=[3])
     stop = OracleStop({(7, 8): [20, 21, 22, 23]})
@@ -201,6 +216,8 @@ def test_disco_schedule_is_lossless(tiny_disco, opts):
     out = dec.generate_ids(prompts, "sd", 24, GREEDY, schedule="disco", disco=str(path), **opts)
     assert out.tokens == [hf_generate(dec.model, p, 24, GREEDY) for p in prompts]
     assert out.stats.drafted_tokens > 0
+    if opts["disco_mode"] == "cost":  # the batch of three had its own step costs measured for the stop rule
+        assert 3 in dec.step_cost().batches
 
 
 def test_disco_threshold_zero_drafts_to_the_maximum_and_one_stops_after_one(tiny_disco):

@@ -205,3 +205,25 @@ def test_feature_draft_and_stats():
     assert res.stats.drafter["graph"]["draft_forwards"] > 0  # levels past the first were drafted
     d = res.stats.drafter
     assert d["reached"]["1"] > 0 and d["top1"]["1"] <= d["topk"]["1"] <= d["reached"]["1"]
+
+
+def test_cost_schedule_plans_with_the_batchs_step_costs(monkeypatch):
+    """schedule=cost in a batch: the drafter weighs expansion against the batch's own step-cost table (rows
+    verify together), not one row's. With a flat batch table (verification free at any size) it drafts
+    deeper than with one that makes every extra node dear; the one-row table is the same in both runs."""
+    from specdec.policies import StepCost
+
+    monkeypatch.setattr(StepCost, "observe", lambda *a, **k: None)   # keep the tables as set
+    target = tiny_model("llama", VOCAB)
+    dec = SpecDecoder(target, draft=tiny_eagle(target))
+    prompts = [[3, 4, 5, 6, 7, 9, 11], [20, 21, 22, 1, 30]]
+    one_row = dec.step_cost()
+    forwards = {}
+    for name, table in (("flat", {t: 1.0 for t in StepCost.SIZES}),
+                        ("dear", {t: 1.0 if t == 1 else 1e4 * t for t in StepCost.SIZES})):
+        one_row.batches[2] = StepCost(table, explore_every=0)
+        res = dec.generate_ids(prompts, "gsd", 12, GREEDY, prob_threshold=0.0, sibling_threshold=0.0, max_depth=4,
+                               schedule="cost")
+        assert res.tokens == [hf_generate(target, p, 12, GREEDY) for p in prompts]
+        forwards[name] = res.stats.drafter["graph"]["draft_forwards"]
+    assert forwards["dear"] < forwards["flat"], forwards

@@ -194,8 +194,8 @@ class GraphDrafter(Drafter):
                     c = [cells + col * self.k + i for i in range(self.k)] if q is not None else None
                     grow[r] += [(n, col) for n in g.add_children(node, toks[r][col], ps[r][col], c, limits[r])]
             cells += width * self.k
-            if self._planning:
-                grow = self._worth_expanding(graphs, grow)
+            if self._planning:  # a batch's own step costs where the policy has them (B rows verify together)
+                grow = self._worth_expanding(graphs, grow, budget.cost if budget.cost is not None else self.cost)
             f = max(len(x) for x in grow)
             if f == 0 or level == self.max_depth:
                 break
@@ -229,7 +229,8 @@ class GraphDrafter(Drafter):
             fed = [[node for node, _ in row] for row in grow]
         return self._tree(state, graphs, proposals)
 
-    def _worth_expanding(self, graphs: list[DraftGraph | None], grow: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    def _worth_expanding(self, graphs: list[DraftGraph | None], grow: list[list[tuple[int, int]]],
+                         cost: StepCostLike) -> list[list[tuple[int, int]]]:
         """schedule=cost: the frontier cut to what may pay for another draft forward.
 
         Each row's tree is planned as the decode loop's planner will (most likely nodes first, the size with
@@ -239,7 +240,7 @@ class GraphDrafter(Drafter):
         child could be kept), and the level only if its nodes' reach times the top-k coverage, the tokens it
         may add, is worth the draft forward's share of a step (``E * d / c(n+1)`` summed over rows).
         """
-        costs = self.cost.costs(self.max_nodes + 2)
+        costs = cost.costs(self.max_nodes + 2)
         gain, price, out = 0.0, 0.0, []
         for r, row in enumerate(grow):
             g = graphs[r]
@@ -247,7 +248,7 @@ class GraphDrafter(Drafter):
                 out.append(row)
                 continue
             reach = self._reach(g)
-            n, expected = self.cost.best_size(sorted(reach[1:], reverse=True), costs)
+            n, expected = cost.best_size(sorted(reach[1:], reverse=True), costs)
             bar = expected * (costs[n + 1] - costs[n]) / costs[n]
             keep = [(node, col) for node, col in row if reach[node] * self._coverage(g.depth[node] + 1)[0] >= bar]
             out.append(keep)
