@@ -284,10 +284,10 @@ class SpecDecoder:
         result = None
         for start, end in parts:
             rows = prompts[start:end]
-            # A batch's steps have their own costs: the policy's table, or its stop rule's (DISCO's cost mode).
-            cost = getattr(policy, "cost", None) or getattr(getattr(policy, "stop", None), "cost", None)
-            if cost is not None and hasattr(cost, "ensure_batch") and not spec.own_loop:
-                cost.ensure_batch(self.runner, len(rows))
+            # A batch's steps have their own costs: the policy's table and its stop rule's (DISCO's cost mode).
+            for cost in (getattr(policy, "cost", None), getattr(getattr(policy, "stop", None), "cost", None)):
+                if hasattr(cost, "ensure_batch") and not spec.own_loop:
+                    cost.ensure_batch(self.runner, len(rows))
             if drafter is None:
                 res = autoregressive_generate(self.runner, rows, max_new_tokens, sampling, self.eos)
             elif spec.own_loop:

@@ -159,8 +159,11 @@ def test_distill_end_to_end_on_a_tiny_target(tmp_path, arch):
 
 
 def test_distill_init_goes_on_from_a_draft_with_a_clean_held_out_set(tmp_path, capsys):
-    """--init: the draft keeps its vocabulary and weights, its held-out prompts stay held out, the prompts
-    it trained on never become held-out ones, and new prompts are split as usual."""
+    """--init: the draft keeps its vocabulary and weights, the prompts held out along its lineage stay held
+    out, the prompts any ancestor trained on never become held-out ones (also when a stage read an older,
+    renamed copy of the corpus), and new prompts are split as usual."""
+    import shutil
+
     from safetensors.torch import load_file
 
     _, tdir = _tiny_target(tmp_path)
@@ -168,46 +171,59 @@ def test_distill_init_goes_on_from_a_draft_with_a_clean_held_out_set(tmp_path, c
     gen = ["corpus", "--target", str(tdir), "--out", str(corpus), "--samples", "0", "--gen-dtype", "fp32",
            "--gen-tokens", "8", "--batch-size", "4"]
     assert cli_main(gen + ["--prompts", str(_prompt_file(tmp_path))]) == 0
-    common = ["distill", "--target", str(tdir), "--corpus", str(corpus), "--arch", "eagle", "--max-tokens", "64",
-              "--held-out", "0.2", "--eval-every", "0", "--no-autocast"]
+    before = tmp_path / "before"   # the corpus as it was, under another folder name
+    shutil.copytree(corpus, before)
+    common = ["distill", "--target", str(tdir), "--arch", "eagle", "--max-tokens", "64", "--held-out", "0.2",
+              "--eval-every", "0", "--no-autocast"]
     first = tmp_path / "first"
-    assert cli_main(common + ["--out", str(first), "--work", str(tmp_path / "w1"), "--layers", "1",
-                              "--draft-vocab", "40", "--steps", "3"]) == 0
+    assert cli_main(common + ["--corpus", str(corpus), "--out", str(first), "--work", str(tmp_path / "w1"),
+                              "--layers", "1", "--draft-vocab", "40", "--steps", "3"]) == 0
     s1 = json.loads((first / "distill_summary.json").read_text())
     old_ids = {f"p{i}" for i in range(12)}
     # more prompts arrive in the corpus
     new_file = tmp_path / "more.jsonl"
     new_file.write_text(_prompt_file(tmp_path, 20, "tmp.jsonl", seed=1).read_text().replace('"id": "p', '"id": "n'))
     assert cli_main(gen + ["--prompts", str(new_file)]) == 0
+    new_ids = {f"n{i}" for i in range(20)}
 
-    def go_on(name, *extra):
-        assert cli_main(common + ["--out", str(tmp_path / name), "--work", str(tmp_path / f"w_{name}"),
-                                  "--init", str(first), *extra]) == 0
+    def go_on(name, init, *extra, corpus=corpus):
+        assert cli_main(common + ["--corpus", str(corpus), "--out", str(tmp_path / name), "--work",
+                                  str(tmp_path / f"w_{name}"), "--init", str(init), *extra]) == 0
         return json.loads((tmp_path / name / "distill_summary.json").read_text())
 
-    s2 = go_on("second", "--steps", "0")
+    s2 = go_on("second", first, "--steps", "0")
     held = set(s2["held_out_ids"])
     assert set(s1["held_out_ids"]) <= held and not (held & (old_ids - set(s1["held_out_ids"])))
-    assert {i[0] for i in held - set(s1["held_out_ids"])} == {"n"}
-    assert s2["init"] == {"draft": str(first), "command": s1["command"], "init": None}
+    assert held - set(s1["held_out_ids"]) and held - set(s1["held_out_ids"]) <= new_ids
+    assert s2["init"]["draft"] == str(first) and s2["init"]["init"] is None
     assert s2["draft_vocab"] == 40 and s2["layers"] == [1] and len(s2["reply_shard_names"]) == 2
     w1, w2 = load_file(first / "model.safetensors"), load_file(tmp_path / "second" / "model.safetensors")
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)   # no steps: the same draft
-    # an older summary without shard names: its first reply shards are what it saw
-    del s1["reply_shard_names"]
+    # a stage on the older copy of the corpus: the lineage still saw the new shard and held out its prompts
+    s3 = go_on("third", tmp_path / "second", "--steps", "1", corpus=before)
+    assert s3["init"]["init"]["draft"] == str(first) and len(s3["reply_shard_names"]) == 1
+    assert set(s3["seen_shard_names"]) == set(s2["reply_shard_names"]) and set(s3["held_out_ids"]) == held
+    s4 = go_on("fourth", tmp_path / "third", "--steps", "1")
+    assert set(s4["held_out_ids"]) == held   # nothing new to split, nothing the lineage trained on held out
+    # an older summary without shard names: the first reply shards of its one corpus are what it saw
+    for key in ("reply_shard_names", "seen_shard_names"):
+        s1.pop(key, None)
     (first / "distill_summary.json").write_text(json.dumps(s1))
-    s3 = go_on("third", "--steps", "2")
-    assert set(s3["held_out_ids"]) == held and s3["steps"] == 2
+    assert set(go_on("fifth", first, "--steps", "1")["held_out_ids"]) == held
+    bad = common + ["--corpus", str(corpus), "--out", str(tmp_path / "x"), "--work", str(tmp_path / "wx"),
+                    "--steps", "1"]
     for extra, msg in [(["--arch", "layers"], "not --arch layers"), (["--layers", "1"], "drop --layers"),
                        (["--draft-vocab", "40"], "drop --layers")]:
-        assert cli_main(common + ["--out", str(tmp_path / "x"), "--work", str(tmp_path / "wx"), "--init", str(first),
-                                  "--steps", "1"] + extra) != 0
+        assert cli_main(bad + ["--init", str(first)] + extra) != 0
         assert msg in capsys.readouterr().err
     s1["corpora"] = ["elsewhere"]
     (first / "distill_summary.json").write_text(json.dumps(s1))
-    assert cli_main(common + ["--out", str(tmp_path / "x"), "--work", str(tmp_path / "wx"), "--init", str(first),
-                              "--steps", "1"]) != 0
+    assert cli_main(bad + ["--init", str(first)]) != 0
     assert "held-out measurement would not be clean" in capsys.readouterr().err
+    (first / "distill_summary.json").unlink()   # no summary: no clean held-out set is possible
+    assert cli_main(bad + ["--init", str(first)]) != 0
+    assert "--held-out 0" in capsys.readouterr().err
+    assert cli_main(bad + ["--init", str(first), "--held-out", "0"]) == 0
 
 
 def test_corpus_shards_round_trip_and_store_uint16(tmp_path):

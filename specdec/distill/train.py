@@ -171,33 +171,41 @@ def load_init_draft(path: str, arch: str, target, device: str):
     return draft.train(), summary
 
 
-def held_out_for(records: list, share: float, seed: int, init_summary: dict | None, corpora: list[str]) -> set[str]:
-    """The held-out prompt ids. ``records``: ``(record, greedy, shard name)``.
+def _shard_key(name: str) -> str:
+    """A reply shard's name without a corpus folder (older summaries wrote ``folder/name``): shards are named
+    by what made them, so a renamed or moved corpus keeps its keys."""
+    return name.rsplit("/", 1)[-1]
+
+
+def held_out_for(records: list, share: float, seed: int, init_summary: dict | None,
+                 corpora: list[str]) -> tuple[set[str], set[str]]:
+    """``(held-out prompt ids, reply shards the draft has now seen)``. ``records``: ``(record, greedy, shard)``.
 
     From scratch: :func:`held_out_split` over every prompt. Going on from a draft (``init_summary``, its
-    ``distill_summary.json``): its own held-out prompts stay held out, the prompts it trained on stay in
-    training, and a share of the prompts new to it is held out, so the held-out set never holds a prompt
-    the draft has seen. What it saw: its ``reply_shard_names``, or for older summaries the first
-    ``reply_shards`` reply shards of its corpora (shards are only ever appended)."""
+    ``distill_summary.json``): every prompt held out along its lineage stays held out, the prompts of every
+    shard it or its ancestors trained on stay in training, and a share of the prompts new to the lineage is
+    held out, so the held-out set never holds a prompt the draft has seen. What the lineage saw: the summary's
+    ``seen_shard_names`` (or ``reply_shard_names``); for older summaries, the first ``reply_shards`` reply
+    shards of its one corpus (shards are only ever appended)."""
     by_cat: dict[str, list[str]] = {}
+    mine = {name for _, _, name in records}
     if init_summary is None:
         for r, _, _ in records:
             by_cat.setdefault(r.category, []).append(r.id)
-        return held_out_split(by_cat, share, seed)
-    names = init_summary.get("reply_shard_names")
+        return held_out_split(by_cat, share, seed), mine
+    names = init_summary.get("seen_shard_names") or init_summary.get("reply_shard_names")
     if names is None:
         theirs = [Path(c).name for c in init_summary.get("corpora", [])]
-        if theirs != [Path(c).name for c in corpora]:
+        if len(theirs) != 1 or theirs != [Path(c).name for c in corpora]:
             raise ValueError(f"the --init draft was trained on the corpora {theirs}, not {corpora}: which of their "
                              "prompts it saw is unknown, so its held-out measurement would not be clean")
-        order = list(dict.fromkeys(name for _, _, name in records))
-        names = order[: init_summary.get("reply_shards", 0)]
-    old_held, seen_shards = set(init_summary.get("held_out_ids", [])), set(names)
+        names = list(dict.fromkeys(name for _, _, name in records))[: init_summary.get("reply_shards", 0)]
+    old_held, seen_shards = set(init_summary.get("held_out_ids", [])), {_shard_key(n) for n in names}
     seen = {r.id for r, _, name in records if name in seen_shards} - old_held
     for r, _, _ in records:
         if r.id not in seen and r.id not in old_held:
             by_cat.setdefault(r.category, []).append(r.id)
-    return (old_held & {r.id for r, _, _ in records}) | held_out_split(by_cat, share, seed)
+    return old_held | held_out_split(by_cat, share, seed), seen_shards | mine
 
 
 def _subset(examples: list[Example], max_positions: int | None, seed: int) -> list[Example]:
@@ -271,16 +279,19 @@ def run_distill(args) -> dict:
             raise CorpusMismatch(f"corpus {root} was made by another target or vocabulary "
                                  f"({c.manifest['target']}, {c.manifest['fingerprint']}) than --target {args.target} ({fp})")
         for s in c.shards("reply"):
-            name = f"{Path(root).name}/{s['name']}"
-            records += [(r, s["sampling"]["temperature"] == 0, name) for r in c.read(s["name"])]
-            shard_names.append(name)
+            records += [(r, s["sampling"]["temperature"] == 0, s["name"]) for r in c.read(s["name"])]
+            shard_names.append(s["name"])
     shards = len(shard_names)
     if not records:
         raise ValueError(f"no reply shards in {corpora}: add replies with `specdec corpus`")
     init = init_summary = None
     if args.init:
         init, init_summary = load_init_draft(args.init, args.arch, target, args.device)
-    held = held_out_for(records, args.held_out, args.seed, init_summary, corpora)
+        if init_summary is None and args.held_out > 0:
+            raise ValueError(f"--init {args.init} has no distill_summary.json: which prompts it trained on is unknown, "
+                             "so no held-out set would be clean (pass --held-out 0 to train without one)")
+    held, seen_shards = held_out_for(records, args.held_out, args.seed, init_summary, corpora)
+    held_present = held & {r.id for r, _, _ in records}
     records = [(r, greedy) for r, greedy, _ in records]
     held_recs = [r for r, greedy in records if r.id in held and greedy]
     examples_all = [e for r, greedy in records if r.id not in held for e in make_examples([r], args.max_context, greedy)]
@@ -302,13 +313,13 @@ def run_distill(args) -> dict:
     positions = {"train": sum(len(reply(e)) for e in examples),
                  "train_greedy": sum(len(reply(e)) for e in examples if e.greedy),
                  "held_out": sum(len(reply(e)) for e in held_out)}
-    log({"stage": "data", "corpora": corpora, "shards": shards, "held_out_prompts": len(held), **positions})
+    log({"stage": "data", "corpora": corpora, "shards": shards, "held_out_prompts": len(held_present), **positions})
 
     vt = target.config.get_text_config().vocab_size
     counts = count_tokens((reply(e) for e in examples), vt)
     if init is not None:   # the draft goes on with its own vocabulary and layers
         draft, vocab = init, init.draft_vocab.cpu()
-        layers = list(init_summary.get("layers") or []) if init_summary else []
+        layers = (init_summary or {}).get("layers")
     else:
         vocab = select_vocab(counts, args.draft_vocab or 8192, eos_ids(target, tok))
         layers = [int(i) for i in (args.layers or ("29" if args.arch == "eagle" else "0,29")).split(",")]
@@ -355,8 +366,8 @@ def run_distill(args) -> dict:
                "init": {"draft": args.init, "command": (init_summary or {}).get("command"),  # the whole lineage
                         "init": (init_summary or {}).get("init")} if args.init else None,
                "coverage": cov, "corpora": corpora, "reply_shards": shards, "reply_shard_names": shard_names,
-               "positions": positions,
-               "held_out_prompts": len(held), "held_out_ids": sorted(held), "device": device, "command": command,
+               "seen_shard_names": sorted(seen_shards), "positions": positions,
+               "held_out_prompts": len(held_present), "held_out_ids": sorted(held), "device": device, "command": command,
                "total_seconds": round(time.time() - t0), **result}
     (out / "distill_summary.json").write_text(json.dumps(summary, indent=1))
     log({"stage": "done"})

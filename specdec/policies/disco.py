@@ -183,11 +183,12 @@ class DiscoStop(StopRule):
         self.classifier, self.mode, self.threshold = classifier, mode, float(threshold)
         self.calibration = calibration or PlattCalibration()
         self.cost, self.draft_seconds = cost, draft_seconds
-        self._cost = cost  # this step's table (:meth:`keep_going` picks the batch's)
+        self._step_cost = cost  # this step's table (:meth:`keep_going` picks the batch's)
         self._position: list[int] = []
 
     def begin(self, batch_size: int, state=None) -> None:
         self._position = [1] * batch_size  # the first new token comes from the prefill
+        self._step_cost = self.cost
         self._logits: list[torch.Tensor] = []
         self._reach: list[torch.Tensor] = []
         self._last_call = None
@@ -199,7 +200,7 @@ class DiscoStop(StopRule):
             self._start = torch.tensor(self._position, device=logits.device)  # one host copy per step
             # The rows drafting now are verified together: their batch's own step costs, where measured.
             batch = getattr(self.cost, "for_batch", None)
-            self._cost = batch(logits.shape[0]) if batch is not None else self.cost
+            self._step_cost = batch(logits.shape[0]) if batch is not None else self.cost
         elif self.mode == "cost" and self._last_call is not None:  # one draft forward since the previous token
             self.draft_seconds = 0.9 * self.draft_seconds + 0.1 * (now - self._last_call)
         position = self._start + (depth - 1)
@@ -217,7 +218,7 @@ class DiscoStop(StopRule):
 
     def _pays(self, depth: int, p: torch.Tensor) -> torch.Tensor:
         """Per row: does drafting token ``depth + 1`` raise the expected tokens per second of this step?"""
-        costs = self._cost.costs(depth + 2)  # c(1) .. c(depth + 2) for trees of 1 .. depth + 2 nodes
+        costs = self._step_cost.costs(depth + 2)  # c(1) .. c(depth + 2) for trees of 1 .. depth + 2 nodes
         emitted = 1.0 + torch.stack(self._reach).sum(0)  # 1 + the chance each drafted prefix is accepted
         seconds = costs[depth] + depth * self.draft_seconds
         extra = self.draft_seconds + costs[depth + 1] - costs[depth]
