@@ -5,6 +5,7 @@ The end-to-end check inside vLLM's CPU engine is ``tests/vllm/test_vllm_engine.p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -102,6 +103,51 @@ def test_adaptive_lengths_learn_from_outcomes(monkeypatch):
         ids, n = batch(rows, max_model_len=256)
         first = p.propose(sampled, n, ids)
     assert p.stats["drafted"] == drafted and p.stats["accepted"] == accepted > 0
+
+
+@pytest.mark.parametrize("history", [True, False])
+def test_history_keeps_acceptance_per_requests_last_outcome(monkeypatch, history):
+    """Two requests with the same kind of match: vLLM accepts every draft of one (it copies its context)
+    and none of the other. With history the dear tokens go to the one that copies."""
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"history": history}))
+    p = PromptLookupProposer(vllm_config(k=6, max_model_len=256))
+    monkeypatch.setattr(p, "chains", lambda seq, lens, w: (torch.arange(1, 1 + w).repeat(seq.shape[0], 1),
+                                                           torch.full((seq.shape[0],), 4)))
+    cost = LinearStepCost()
+    for t in range(2, 30):  # a dear token: a step over 2 + 12 tokens costs 2.2x a step over 2
+        cost.observe(t, 0.010 + 0.001 * t)
+    monkeypatch.setattr(cost, "observe", lambda *a: None)
+    p.cost = cost
+    n = np.array([10, 10, 0, 0, 0, 0, 0, 0])
+    ids = np.zeros((8, 256), dtype=np.int32)
+    out = p.propose([[1], [1]], n, ids)
+    for _ in range(20):
+        sampled = [out[0] + [5], [5]]  # row 0: every draft token accepted; row 1: none
+        n[:2] += [len(x) for x in sampled]
+        out = p.propose(sampled, n, ids)
+    signals = {row: last[2] for row, last in p._last.items()}
+    if history:
+        assert signals[0] % p.HISTORY == 3 and signals[0] // p.HISTORY == 4  # wholly accepted, 4-gram match
+        assert len(out[0]) == 6 and len(out[1]) < len(out[0]), out
+    else:
+        assert signals[0] == signals[1] == 4  # the matched n-gram size alone
+        assert len(out[0]) == len(out[1]), out
+
+
+def test_bench_labels_carry_proposer_options(monkeypatch):
+    from specdec.integrations.vllm import OPTIONS_ENV
+    from specdec.integrations.vllm_bench import _start_engine, split_label
+
+    assert split_label("vllm-specdec-pld:history=false:n_max=5:corpus=x") == (
+        "vllm-specdec-pld", {"history": False, "n_max": 5, "corpus": "x"})
+    assert split_label("vllm-ngram") == ("vllm-ngram", {})
+    with pytest.raises(ValueError, match="only specdec's proposers"):
+        split_label("vllm-ngram:k=3")
+    with pytest.raises(ValueError, match="key=value"):
+        split_label("vllm-specdec-pld:history")
+    monkeypatch.setenv(OPTIONS_ENV, json.dumps({"n_min": 2}))
+    seen = _start_engine("vllm-specdec-pld:history=false", lambda: json.loads(os.environ[OPTIONS_ENV]))
+    assert seen == {"n_min": 2, "history": False} and json.loads(os.environ[OPTIONS_ENV]) == {"n_min": 2}
 
 
 def test_bad_options_fail_at_start(monkeypatch):

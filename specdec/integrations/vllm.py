@@ -14,7 +14,9 @@ vLLM calls ``propose`` once per step for its whole batch; both proposers run the
 of specdec's batched kernels. Each request's draft length is cost-aware (``"adaptive": true``, the
 default): per match kind, an acceptance model learned from vLLM's verification outcomes, and the step
 cost fitted to vLLM's own step times (:mod:`specdec.policies.batch_length`) decide how many tokens each
-request drafts, up to ``num_speculative_tokens``.
+request drafts, up to ``num_speculative_tokens``. With ``"history": true`` (the default) the acceptance
+model is also kept per outcome of the request's own last verified draft (none yet, rejected, partly or
+wholly accepted): a request that is copying its context goes on copying, one that is not rarely starts.
 
 Options come from the environment variable ``SPECDEC_VLLM_OPTIONS`` (a JSON object), since vLLM's
 speculative config takes no extra keys; unknown options fail at engine start. This module imports
@@ -74,7 +76,8 @@ class _ChainProposer:
     match kind an acceptance model is kept for) for the ``R`` requests that draft this step.
     """
 
-    DEFAULTS: dict = {"adaptive": True}
+    DEFAULTS: dict = {"adaptive": True, "history": True}
+    HISTORY = 4  # outcomes of a request's last verified draft: none yet, rejected, partly, wholly accepted
     NULLABLE: frozenset = frozenset()
 
     def __init__(self, vllm_config):
@@ -86,6 +89,8 @@ class _ChainProposer:
         self.tokenizer_path = str(getattr(vllm_config.model_config, "tokenizer", None) or self.model_path)
         self.options = read_options(self.DEFAULTS, self.NULLABLE)
         self.adaptive = bool(self.options["adaptive"])
+        self.history = bool(self.options["history"])
+        self._outcome: dict[int, int] = {}  # row -> its request's last verified draft's outcome (HISTORY)
         self.acceptance = AcceptanceModel()
         self.cost = LinearStepCost()
         self._last: dict[int, tuple[int, int, int]] = {}  # row -> (num_tokens, drafted, signal)
@@ -102,6 +107,7 @@ class _ChainProposer:
     def _learn(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray, now: float) -> None:
         """Fold the outcome of the step vLLM just ran into the acceptance model and the step cost."""
         decoding = same = 0
+        outcome: dict[int, int] = {}
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:
                 continue
@@ -116,6 +122,10 @@ class _ChainProposer:
             self.acceptance.update(signal, drafted, accepted)
             self.stats["drafted"] += drafted
             self.stats["accepted"] += accepted
+            # A step that drafted nothing for the request keeps its last outcome.
+            outcome[row] = (1 if accepted == 0 else 2 if accepted < drafted else 3) if drafted else \
+                self._outcome.get(row, 0)
+        self._outcome = outcome
         # Time only steps that verified exactly the rows drafted for: one that also prefilled a request
         # (a new row, or a row not decoding) costs far more than its decode tokens.
         if self._last_end is not None and same == decoding == len(self._last) == len(sampled_token_ids) > 0:
@@ -146,6 +156,8 @@ class _ChainProposer:
             found = (drafts >= 0).sum(1).tolist()
             drafted = [min(int(f), int(r)) for f, r in zip(found, room)]
             signals = signals.tolist()
+            if self.history:
+                signals = [s * self.HISTORY + self._outcome.get(row, 0) for s, row in zip(signals, rows)]
             if self.adaptive:
                 reach = []
                 for n, s in zip(drafted, signals):
@@ -172,7 +184,7 @@ class PromptLookupProposer(_ChainProposer):
     """Prompt lookup: the continuation of the longest suffix n-gram (``n_min .. n_max`` tokens) that occurred
     earlier in the request; the acceptance model is kept per matched n-gram size."""
 
-    DEFAULTS = {"adaptive": True, "n_min": 1, "n_max": 4}
+    DEFAULTS = {**_ChainProposer.DEFAULTS, "n_min": 1, "n_max": 4}
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
@@ -197,7 +209,7 @@ class NGrammysProposer(_ChainProposer):
     ``$SPECDEC_CACHE/ngram_tables``); ``q``, ``n_max``: as in specdec's ``ngrammys``.
     """
 
-    DEFAULTS = {"adaptive": True, "q": 1, "n_max": 4, "corpus": "auto", "bigram": True}
+    DEFAULTS = {**_ChainProposer.DEFAULTS, "q": 1, "n_max": 4, "corpus": "auto", "bigram": True}
     NULLABLE = frozenset({"corpus"})
 
     def __init__(self, vllm_config):

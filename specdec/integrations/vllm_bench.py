@@ -53,6 +53,44 @@ def speculative_config(method: str, k: int) -> dict | None:
     raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
 
 
+def split_label(label: str) -> tuple[str, dict]:
+    """A bench label's method and the proposer options it carries: ``vllm-specdec-pld:history=false:n_max=5``
+    runs ``vllm-specdec-pld`` with ``SPECDEC_VLLM_OPTIONS={"history": false, "n_max": 5}`` (values read as
+    JSON where they parse, else as strings), so two settings of one proposer compare in one run. Only
+    specdec's proposers take options."""
+    method, *parts = label.split(":")
+    options = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise ValueError(f"bad option {part!r} in {label!r}: write key=value")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    if options and not method.startswith("vllm-specdec-"):
+        raise ValueError(f"{label!r}: only specdec's proposers (vllm-specdec-*) take options")
+    return method, options
+
+
+def _start_engine(label: str, make):
+    """``make()`` (which starts a vLLM engine) with the label's proposer options in ``SPECDEC_VLLM_OPTIONS``
+    on top of the ones already set; vLLM's engine process reads them when it builds the proposer."""
+    from specdec.integrations.vllm import OPTIONS_ENV
+
+    _, options = split_label(label)
+    before = os.environ.get(OPTIONS_ENV)
+    if options:
+        os.environ[OPTIONS_ENV] = json.dumps({**json.loads(before or "{}"), **options})
+    try:
+        return make()
+    finally:
+        if before is None:
+            os.environ.pop(OPTIONS_ENV, None)
+        else:
+            os.environ[OPTIONS_ENV] = before
+
+
 def _spec_counters(llm) -> tuple[int, int]:
     """(draft tokens, accepted tokens) this engine has verified so far, or (0, 0) without speculation.
 
@@ -125,7 +163,7 @@ def run(args) -> dict:
     engine = {m: _engine_method(m) for m in labels}  # specdec's method for specdec-NAME labels, else None
     for m in labels:  # unknown names fail before any engine starts
         if engine[m] is None:
-            speculative_config(m, args.k)
+            speculative_config(split_label(m)[0], args.k)
     path = str(resolve(args.model))
     prompts = read_prompts(args.prompts, TokenizerEncoder(AutoTokenizer.from_pretrained(path)), args.limit)
     longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + args.k + 1
@@ -136,10 +174,11 @@ def run(args) -> dict:
         from specdec.api import SpecDecoder
 
         dec = SpecDecoder(path, dtype=args.dtype, compile=args.specdec_compile)
-    engines = {m: LLM(model=path, dtype=DTYPES[args.dtype], max_model_len=max(longest, 256), enforce_eager=True,
-                      max_num_seqs=args.concurrency, speculative_config=speculative_config(m, args.k),
-                      disable_log_stats=False, seed=0, kv_cache_memory_bytes=args.kv_cache_mib << 20)
-               for m in labels if engine[m] is None}
+    engines = {m: _start_engine(m, lambda m=m: LLM(
+        model=path, dtype=DTYPES[args.dtype], max_model_len=max(longest, 256), enforce_eager=True,
+        max_num_seqs=args.concurrency, speculative_config=speculative_config(split_label(m)[0], args.k),
+        disable_log_stats=False, seed=0, kv_cache_memory_bytes=args.kv_cache_mib << 20))
+        for m in labels if engine[m] is None}
     for llm in engines.values():  # warm-up: first calls pay for lazy initialisation
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0].ids)], SamplingParams(temperature=0.0, max_tokens=8),
                      use_tqdm=False)
@@ -162,7 +201,7 @@ def run(args) -> dict:
                 d1, a1 = _spec_counters(llm)
                 toks = [list(o.outputs[0].token_ids) for o in outs]
                 drafted, accepted, prefill = d1 - d0, a1 - a0, None  # vLLM interleaves prefill with decode steps
-                speculative = m != "vllm"
+                speculative = split_label(m)[0] != "vllm"
             total = sum(len(t) for t in toks) or 1
             for p, t in zip(group, toks):
                 share = len(t) / total
@@ -205,7 +244,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", required=True, help="JSON lines with id, category, chat, prompt")
     p.add_argument("--methods", default=",".join(m for m in METHODS if m != "vllm-suffix"),
                    help="comma list of " + ", ".join(METHODS) + ", and specdec-NAME: specdec's own engine running "
-                   "its method NAME (e.g. specdec-ar, specdec-ngrammys)")
+                   "its method NAME (e.g. specdec-ar, specdec-ngrammys); specdec's proposers take options on the "
+                   "label, e.g. vllm-specdec-pld:history=false")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--concurrency", type=int, default=1, help="requests submitted together (vLLM's max_num_seqs)")
