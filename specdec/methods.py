@@ -55,6 +55,9 @@ class PLDOptions:
     schedule: str = option("cost", "cost: cut each draft to the length with the most expected tokens per second "
                                    "(measured step cost, acceptance learned per matched n-gram size); static; "
                                    "heuristic (transformers' schedule)", ("cost", "static", "heuristic"))
+    history: int = option(1, "cost schedule: keep acceptance per matched size and per outcome of the row's last "
+                             "verified draft, rejected, partly or wholly accepted (1), or per matched size only (0)",
+                          (0, 1))
 
 
 @dataclass(frozen=True)
@@ -255,8 +258,8 @@ def _length_policy(schedule: str, k: int, max_k: int, cost: StepCost | None = No
 
 def _build_pld(dec, o: PLDOptions, sampling: SamplingConfig):
     cost = o.schedule == "cost"
-    acceptance = dec.acceptance(("pld",), AcceptanceModel) if cost else None
-    drafter = PromptLookupDrafter(o.num_tokens, o.n_min, o.n_max, acceptance=acceptance)
+    acceptance = dec.acceptance(("pld", o.history), AcceptanceModel) if cost else None
+    drafter = PromptLookupDrafter(o.num_tokens, o.n_min, o.n_max, acceptance=acceptance, history=bool(o.history))
     return drafter, _length_policy(o.schedule, o.num_tokens, o.num_tokens, dec.step_cost() if cost else None)
 
 

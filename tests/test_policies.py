@@ -94,6 +94,32 @@ def test_prompt_lookup_explores_one_token_more():
     assert lengths[1] == [1, 0]  # exploring drafts one token where a match exists
 
 
+@pytest.mark.parametrize("history", [True, False])
+def test_prompt_lookup_keeps_acceptance_per_rows_last_outcome(history):
+    """Two rows with the same 2-gram match: every draft of row 0 is accepted, none of row 1's. With history
+    row 1's estimates fall to its own record and row 0's rise to its; without, both share one estimate."""
+    import torch
+
+    from specdec.drafters.base import DecodeState
+    from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+    seq = torch.tensor([[5, 6, 7, 8, 5, 6], [1, 2, 3, 4, 1, 2]])
+    state = DecodeState(seq, torch.tensor([6, 6]), [6, 6])
+    drafter = PromptLookupDrafter(3, acceptance=AcceptanceModel(), history=history)
+    drafter.begin(state)
+    cost = StepCost({1: 1.0, 2: 1.0}, explore_every=0)
+    for _ in range(6):
+        tree = drafter.propose(state, Budget.static(2, 3, cost))
+        assert tree.num_drafted.tolist() == [3, 3]
+        drafter.update(state, tree, None, [4, 1], [3, 3])  # row 0: all 3 accepted; row 1: none
+    accept = drafter.propose(state, Budget.static(2, 3, cost)).accept
+    if history:
+        assert drafter._signal == [2 * 4 + 3, 2 * 4 + 1]
+        assert accept[0, 1] > 0.6 > 0.2 > accept[1, 1]
+    else:
+        assert drafter._signal == [2, 2] and torch.equal(accept[0], accept[1])
+
+
 def test_batch_width_shares_one_width_across_rows():
     """Rows verified in one [B, T] forward pay for the widest row: a row's nodes up to that width are free, so
     the width is chosen for the whole batch, and finished rows do not dilute it."""

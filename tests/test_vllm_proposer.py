@@ -143,7 +143,7 @@ def test_bench_labels_carry_proposer_options(monkeypatch):
     assert split_label("vllm-ngram") == ("vllm-ngram", {})
     with pytest.raises(ValueError, match="only specdec's proposers"):
         split_label("vllm-ngram:k=3")
-    with pytest.raises(ValueError, match="key=value"):
+    with pytest.raises(ValueError, match="name=value"):
         split_label("vllm-specdec-pld:history")
     monkeypatch.setenv(OPTIONS_ENV, json.dumps({"n_min": 2}))
     seen = _start_engine("vllm-specdec-pld:history=false", lambda: json.loads(os.environ[OPTIONS_ENV]))
@@ -225,7 +225,10 @@ def test_bench_engine_labels():
     from specdec.integrations.vllm_bench import _engine_method
 
     assert _engine_method("vllm-ngram") is None
-    assert _engine_method("specdec-ngrammys") == "ngrammys"
+    assert _engine_method("specdec-ngrammys") == ("ngrammys", {})
+    assert _engine_method("specdec-pld:history=0") == ("pld", {"history": "0"})
+    with pytest.raises(ValueError, match="history"):
+        _engine_method("specdec-pld:history=2")
     with pytest.raises(ValueError, match="unknown specdec method"):
         _engine_method("specdec-medusa")
     with pytest.raises(ValueError, match="needs a draft"):
@@ -241,9 +244,9 @@ def test_bench_engine_group_is_one_batch_on_one_thread(monkeypatch):
     dec = SpecDecoder(tiny_model("llama"), corpus=None)
     group = [SimpleNamespace(ids=[5, 6, 7, 5, 6, 7, 5, 6]), SimpleNamespace(ids=[9, 3, 9, 3])]
     seen = []
-    monkeypatch.setattr(dec, "generate_ids", lambda prompts, method, n, _orig=dec.generate_ids:
-                        seen.append(torch.get_num_threads()) or _orig(prompts, method, n))
+    monkeypatch.setattr(dec, "generate_ids", lambda prompts, method, n, _orig=dec.generate_ids, **o:
+                        seen.append(torch.get_num_threads()) or _orig(prompts, method, n, **o))
     threads = torch.get_num_threads()
-    toks, seconds, drafted, accepted, prefill = _run_engine(dec, "pld", group, 12)
+    toks, seconds, drafted, accepted, prefill = _run_engine(dec, ("pld", {"history": "0"}), group, 12)
     assert seen == [1] and torch.get_num_threads() == threads and 0 < prefill < seconds and 0 <= accepted <= drafted
     assert toks == dec.generate_ids([g.ids for g in group], "ar", 12).tokens  # lossless, one batch

@@ -57,6 +57,18 @@ class DecodeState:
         self.seq_lens_host = [s + n for s, n in zip(self.seq_lens_host, step.lengths)]
 
 
+OUTCOMES = 4  # what a request's last verified draft did: none yet, rejected, partly accepted, wholly accepted
+
+
+def last_outcome(drafted: int, accepted: int, before: int = 0) -> int:
+    """The :data:`OUTCOMES` level of a step that verified ``drafted`` draft tokens of a request and accepted
+    ``accepted``; a step that drafted nothing keeps the level ``before``. Acceptance runs in spells (a
+    request copying its context goes on copying), so keeping acceptance per level sharpens it."""
+    if drafted <= 0:
+        return before
+    return 1 if accepted <= 0 else 2 if accepted < drafted else 3
+
+
 class StepCostLike(Protocol):
     """What a drafter may read of the measured target step cost (:class:`specdec.policies.StepCost`)."""
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from specdec import kernels
-from specdec.drafters.base import DecodeState
+from specdec.drafters.base import OUTCOMES, DecodeState, last_outcome
 from specdec.policies.acceptance import AcceptanceModel
 from specdec.policies.batch_length import LinearStepCost, plan_lengths
 
@@ -77,7 +77,7 @@ class _ChainProposer:
     """
 
     DEFAULTS: dict = {"adaptive": True, "history": True}
-    HISTORY = 4  # outcomes of a request's last verified draft: none yet, rejected, partly, wholly accepted
+    HISTORY = OUTCOMES
     NULLABLE: frozenset = frozenset()
 
     def __init__(self, vllm_config):
@@ -90,7 +90,7 @@ class _ChainProposer:
         self.options = read_options(self.DEFAULTS, self.NULLABLE)
         self.adaptive = bool(self.options["adaptive"])
         self.history = bool(self.options["history"])
-        self._outcome: dict[int, int] = {}  # row -> its request's last verified draft's outcome (HISTORY)
+        self._outcome: dict[int, int] = {}  # row -> its request's last verified draft's outcome (last_outcome)
         self.acceptance = AcceptanceModel()
         self.cost = LinearStepCost()
         self._last: dict[int, tuple[int, int, int]] = {}  # row -> (num_tokens, drafted, signal)
@@ -122,9 +122,7 @@ class _ChainProposer:
             self.acceptance.update(signal, drafted, accepted)
             self.stats["drafted"] += drafted
             self.stats["accepted"] += accepted
-            # A step that drafted nothing for the request keeps its last outcome.
-            outcome[row] = (1 if accepted == 0 else 2 if accepted < drafted else 3) if drafted else \
-                self._outcome.get(row, 0)
+            outcome[row] = last_outcome(drafted, accepted, self._outcome.get(row, 0))
         self._outcome = outcome
         # Time only steps that verified exactly the rows drafted for: one that also prefilled a request
         # (a new row, or a row not decoding) costs far more than its decode tokens.

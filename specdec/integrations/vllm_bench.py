@@ -58,12 +58,11 @@ def split_label(label: str) -> tuple[str, dict]:
     runs ``vllm-specdec-pld`` with ``SPECDEC_VLLM_OPTIONS={"history": false, "n_max": 5}`` (values read as
     JSON where they parse, else as strings), so two settings of one proposer compare in one run. Only
     specdec's proposers take options."""
-    method, *parts = label.split(":")
+    from specdec.methods import parse_label
+
+    method, raw = parse_label(label)
     options = {}
-    for part in parts:
-        key, eq, value = part.partition("=")
-        if not eq or not key:
-            raise ValueError(f"bad option {part!r} in {label!r}: write key=value")
+    for key, value in raw.items():
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -109,18 +108,20 @@ def _spec_counters(llm) -> tuple[int, int]:
     return drafted, accepted
 
 
-def _engine_method(label: str) -> str | None:
-    """The specdec method a ``specdec-NAME`` label runs in specdec's own engine, else None (a vLLM method)."""
+def _engine_method(label: str) -> tuple[str, dict] | None:
+    """The specdec method and options a ``specdec-NAME[:key=value...]`` label runs in specdec's own engine,
+    else None (a vLLM method)."""
     if not label.startswith(ENGINE_PREFIX):
         return None
     from specdec import methods
 
-    name = label[len(ENGINE_PREFIX):]
+    name, options = methods.parse_label(label[len(ENGINE_PREFIX):])
     if name not in methods.names():
         raise ValueError(f"unknown specdec method in {label!r}: choose from {', '.join(methods.names())}")
     if methods.get(name).needs_draft:
         raise ValueError(f"{label!r} needs a draft model, which this bench does not load")
-    return name
+    methods.get(name).parse(options)  # bad options fail before any engine starts
+    return name, options
 
 
 def _bound_core() -> int | None:
@@ -129,7 +130,7 @@ def _bound_core() -> int | None:
     return int(bind) if bind.isdigit() else None
 
 
-def _run_engine(dec, method: str, group, max_new_tokens: int) -> tuple[list[list[int]], float, int, int, float]:
+def _run_engine(dec, method: tuple[str, dict], group, max_new_tokens: int) -> tuple[list[list[int]], float, int, int, float]:
     """One group through specdec's engine as one batch, on one thread (pinned to vLLM's core where it has
     one, so both engines compute on the same core): (tokens per request, seconds, drafted, accepted,
     prefill seconds)."""
@@ -142,7 +143,7 @@ def _run_engine(dec, method: str, group, max_new_tokens: int) -> tuple[list[list
         os.sched_setaffinity(0, {core})
     try:
         t0 = time.perf_counter()
-        res = dec.generate_ids([p.ids for p in group], method, max_new_tokens)
+        res = dec.generate_ids([p.ids for p in group], method[0], max_new_tokens, **method[1])
         seconds = time.perf_counter() - t0
     finally:
         torch.set_num_threads(threads)
@@ -191,7 +192,7 @@ def run(args) -> dict:
         for m in order:
             if engine[m]:
                 toks, seconds, drafted, accepted, prefill = _run_engine(dec, engine[m], group, args.max_new_tokens)
-                speculative = engine[m] != "ar"
+                speculative = engine[m][0] != "ar"
             else:
                 llm = engines[m]
                 d0, a0 = _spec_counters(llm)
