@@ -109,10 +109,22 @@ class _Outputs:
             if not self.done[r]:
                 self.add(r, [tok])
 
-    def left(self) -> list[int]:
-        """``[B]`` draft tokens each row may still use: what it may emit less the one token every step
+    def left(self, rows: list[int]) -> list[int]:
+        """Draft tokens each of ``rows`` may still use: what it may emit less the one token every step
         adds (0 for finished rows)."""
-        return [0 if d else self.max_new - len(t) - 1 for t, d in zip(self.tokens, self.done)]
+        return [0 if self.done[r] else self.max_new - len(self.tokens[r]) - 1 for r in rows]
+
+
+def _leave_batch(live: list[int], done: list[bool], *holders) -> list[int]:
+    """Drop the finished rows from the batch: ``live`` maps batch rows to prompts; every holder of per-row
+    state (the runner, the decode state, the drafter, the policy) keeps the unfinished rows. Returns the
+    new map."""
+    keep = [r for r, i in enumerate(live) if not done[i]]
+    if keep and len(keep) < len(live):
+        for holder in holders:
+            holder.keep_rows(keep)
+        return [live[r] for r in keep]
+    return live
 
 
 @contextmanager
@@ -195,12 +207,16 @@ def speculative_generate(
         policy.begin(len(prompts), state)
         if drafter.needs_hidden:
             drafter.add_hidden(prompt_hidden, state.seq_lens - 1)
+    # Finished rows leave the batch where every holder of per-row state can drop rows, so later steps
+    # compute only the rows still generating; elsewhere they stand still in it.
+    leave = drafter.keeps_rows and getattr(policy, "keeps_rows", False)
+    live = list(range(len(prompts)))  # batch row -> prompt
     while not all(out.done):
         with _timed(stats, "draft_s"):
-            budget = policy.budget(out.left())
+            budget = policy.budget(out.left(live))
             tree = drafter.propose(state, budget)
             if tree.accept is not None and budget.cost is not None:
-                tree = prune(tree, budget.cost, [not d for d in out.done])
+                tree = prune(tree, budget.cost, [not out.done[i] for i in live])
             if budget.max_nodes is not None:
                 tree = cap_nodes(tree, budget.max_nodes)
             tree.build_mask()
@@ -210,24 +226,31 @@ def speculative_generate(
         verdict = verifier.verify(tree, logits, per_node=drafter.per_node)
         if drafter.per_node:
             drafter.observe_verdict(tree, verdict)
-        step = StepOutcome.of(tree, verdict, [not d for d in out.done])
+        step = StepOutcome.of(tree, verdict, [not out.done[i] for i in live])
         target.commit(step.path, step.path_len, tree.is_chain, step.lengths)
         state.advance(step)
         active = [r for r, n in enumerate(step.lengths) if n > 0]
         policy.update([step.drafted[r] for r in active], [step.lengths[r] - 1 for r in active], active)
         stats.record(step, active)
         for r in active:
-            out.add(r, step.tokens[r])
+            out.add(live[r], step.tokens[r])
         with _timed(stats, "draft_s"):
             if drafter.needs_hidden:
                 drafter.add_hidden(hidden.gather(1, step.path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])),
                                    step.path_len)
             drafter.update(state, tree, step.path, step.lengths, step.drafted)
+        if leave:
+            live = _leave_batch(live, out.done, target, state, drafter, policy)
     drafter.finish()
     stats.draft_calls = drafter.draft_calls
     stats.drafter = drafter.summary()
     stats.total_s = time.perf_counter() - t0
     return DecodeResult(out.tokens, stats)
+
+
+def _one_token_path(b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B]`` ones and ``[B,1]`` zeros: a step that commits each row's root."""
+    return torch.ones(b, dtype=torch.int64, device=device), torch.zeros(b, 1, dtype=torch.int64, device=device)
 
 
 @torch.inference_mode()
@@ -244,19 +267,25 @@ def autoregressive_generate(
     with _timed(stats, "prefill_s", "target_s"):
         logits, _ = target.prefill(state.padded(), state.seq_lens)
     stats.target_calls += 1
-    b = len(prompts)
-    ones, zero_path = torch.ones(b, dtype=torch.int64, device=target.device), torch.zeros(b, 1, dtype=torch.int64,
-                                                                                        device=target.device)
+    live = list(range(len(prompts)))  # batch row -> prompt (rows that finish early leave the batch)
+    ones, zero_path = _one_token_path(len(live), target.device)
     while True:
         tok = verifier.first_token(logits)
-        out.add_each(tok.tolist())
+        for r, t in zip(live, tok.tolist()):
+            if not out.done[r]:
+                out.add(r, [t])
         if all(out.done):
             break
+        keep = [r for r, i in enumerate(live) if not out.done[i]]
+        if len(keep) < len(live):
+            target.keep_rows(keep)
+            tok, live = tok[torch.tensor(keep, device=tok.device)], [live[r] for r in keep]
+            ones, zero_path = _one_token_path(len(live), target.device)
         with _timed(stats, "target_s"):
             logits, _ = target.forward_tree(DraftTree.chain(tok))
         stats.target_calls += 1
         stats.steps += 1
-        target.commit(zero_path, ones, True, [1] * b)
+        target.commit(zero_path, ones, True, [1] * len(live))
         logits = logits[:, 0]
     stats.total_s = time.perf_counter() - t0
     return DecodeResult(out.tokens, stats)

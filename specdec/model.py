@@ -620,6 +620,30 @@ class ModelRunner:
         self.drop_pending()
 
     @torch.inference_mode()
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only the batch rows ``rows`` (ascending indices), in that order: finished rows leave the batch,
+        so later forwards compute ``len(rows)`` rows. Each kept row's committed KV moves down in place (row
+        ``rows[j]`` to ``j``, never upwards, so one copy per layer is safe); the buffers stay allocated at
+        their full batch for the next :meth:`reset`. Nothing may be pending."""
+        if self.cache.pending:
+            raise ValueError("keep_rows with nodes pending: commit or drop them first")
+        if not rows or sorted(set(rows)) != list(rows) or rows[-1] >= self.batch_size:
+            raise ValueError(f"rows must be ascending batch indices below {self.batch_size}, got {rows}")
+        if len(rows) == self.batch_size:
+            return
+        n, end = len(rows), self.cache.write_pos
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                for buf in (layer.keys, layer.values):
+                    buf[:n, :, :end].copy_(buf[:, :, :end].index_select(0, index))
+                layer.keys, layer.values = layer.keys[:n], layer.values[:n]
+        lengths = self.cache.lengths.index_select(0, index)
+        self.cache.lengths = lengths
+        self._set_lengths_host([self.cache.lengths_host[r] for r in rows])
+        self.batch_size = n
+
+    @torch.inference_mode()
     def rollback(self, lengths: list[int]) -> None:
         """Forget KV past ``lengths`` (host ints, one per row; no data moves)."""
         kept = [min(n, m) for n, m in zip(self.cache.lengths_host, lengths)]

@@ -94,6 +94,32 @@ def test_ragged_batch_matches_rows_alone(arch, method):
         assert toks == hf_generate(dec.model, p, 20, GREEDY)
 
 
+@pytest.mark.parametrize("method", ["ar", "pld", "ngrammys", "sd"])
+def test_finished_rows_leave_the_batch(arch, method, monkeypatch):
+    """A row that ends (at its EOS, or its token budget reached by a long accepted draft) leaves the batch:
+    later forwards compute fewer rows, and every row is still its own greedy output; twice on one decoder
+    (the second generation reuses the buffers the first shrank). A model drafter keeps its rows."""
+    from specdec.model import ModelRunner
+
+    dec = decoder(arch)
+    rows = []  # rows of each decode forward since the last prompt's (step-cost calibrations run before it)
+    forward, prefill = ModelRunner.forward_tree, ModelRunner.prefill
+    monkeypatch.setattr(ModelRunner, "forward_tree", lambda self, tree, *a, **k: (
+        rows.append(tree.tokens.shape[0]) if self is dec.runner else None) or forward(self, tree, *a, **k))
+    monkeypatch.setattr(ModelRunner, "prefill", lambda self, *a, **k: rows.clear() or prefill(self, *a, **k))
+    prompts = [prompt_of(n, seed=n + 20) for n in (5, 12, 30, 8)]
+    eos = hf_generate(dec.model, prompts[1], 24, GREEDY, eos_token_id=None)[4]  # row 1 ends early
+    dec.eos = {eos}
+    for _ in range(2):
+        out = dec.generate_ids(prompts, method, 24, GREEDY)
+        assert out.tokens == [hf_generate(dec.model, p, 24, GREEDY, eos_token_id=eos) for p in prompts]
+        assert rows[0] == len(prompts)
+        if method == "sd":
+            assert set(rows) == {len(prompts)}
+        else:
+            assert min(rows) < len(prompts) and rows == sorted(rows, reverse=True)
+
+
 @pytest.mark.parametrize("method", ["ar", "ngrammys", "sd"])
 def test_ragged_batch_encoded_row_by_row(arch, method, monkeypatch):
     """Ragged prompts encoded one row per forward into the batch cache (what long, uneven prompts take

@@ -45,6 +45,12 @@ class DecodeState:
         self.seq_lens += 1
         self.seq_lens_host = [n + 1 for n in self.seq_lens_host]
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only the rows ``rows`` (ascending indices), in that order (finished rows leave the batch)."""
+        index = torch.tensor(rows, dtype=torch.int64, device=self.seq.device)
+        self.seq, self.seq_lens = self.seq.index_select(0, index), self.seq_lens.index_select(0, index)
+        self.seq_lens_host = [self.seq_lens_host[r] for r in rows]
+
     def advance(self, step) -> None:
         """Append what a verification step emitted: ``step.emitted [B,W]``, ``step.path_len [B]`` tokens of
         each row (host copy ``step.lengths``)."""
@@ -149,6 +155,7 @@ class Drafter:
     draft_calls: int = 0
     needs_hidden: bool = False
     per_node: bool = False
+    keeps_rows: bool = False  # implements keep_rows: the decode loop may then drop finished rows from the batch
 
     def begin(self, state: DecodeState) -> None:
         self.draft_calls = 0
@@ -180,6 +187,12 @@ class Drafter:
         in order: ``hidden [B,n,H]`` (columns past ``counts[b]`` are ignored). Called after ``begin``
         with the prompt, then after every verification with the accepted path (root first)."""
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Finished rows left the batch: keep the per-row state of ``rows`` (ascending batch indices) only, in
+        that order. Called only where :attr:`keeps_rows` (a drafter without per-row state keeps nothing)."""
+        if not self.keeps_rows:
+            raise NotImplementedError(f"{type(self).__name__} keeps its rows")
+
     def finish(self) -> None:
         """The generation is over (a drafter that keeps state outside the process saves it here)."""
 
@@ -190,6 +203,8 @@ class Drafter:
 
 class NullDrafter(Drafter):
     """No drafts: every step verifies only the root (plain autoregressive decoding)."""
+
+    keeps_rows = True
 
     def max_tree_size(self, depth: int) -> int:
         return 1

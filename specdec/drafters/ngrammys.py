@@ -160,6 +160,11 @@ class NGrammysDrafter(Drafter):
                                                       torch.where(in_q, ctx_slot - n_long[:, None], big_rank)))
         return drafts, source, rank.clamp(0, k - 1)
 
+    keeps_rows = True  # nothing per row outlives a step: finished rows may leave the batch
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
+
     def max_tree_size(self, depth: int) -> int:
         return 1 + self.k * min(self.w, depth)  # k branches that share nothing, at most
 

@@ -32,6 +32,11 @@ class PromptLookupDrafter(Drafter):
         super().begin(state)
         self._outcome = [0] * state.seq.shape[0]
 
+    keeps_rows = True
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self._outcome = [self._outcome[r] for r in rows] if self._outcome else []
+
     def max_tree_size(self, depth: int) -> int:
         return 1 + min(self.num_tokens, depth)
 

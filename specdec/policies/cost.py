@@ -27,15 +27,31 @@ class StepCost:
         self.explore_every = explore_every
         self._plans = 0
         self.batches: dict[int, StepCost] = {}
+        self._between: dict[int, StepCost] = {}  # batch sizes between calibrated ones (see for_batch)
 
     def for_batch(self, rows: int) -> "StepCost":
-        """The table of forwards over ``rows`` rows: its own where :meth:`ensure_batch` made one, else this."""
-        return self.batches.get(rows, self) if rows > 1 else self
+        """The table of forwards over ``rows`` rows: its own where :meth:`ensure_batch` made one; for a size
+        below a calibrated one (a batch whose finished rows left it), a table interpolated in rows between
+        the nearest calibrated sizes (this one-row table below), kept so its own steps update it; else this."""
+        if rows <= 1:
+            return self
+        if rows in self.batches:
+            return self.batches[rows]
+        upper = min((b for b in self.batches if b > rows), default=None)
+        if upper is None:
+            return self
+        if rows not in self._between:
+            lower = max((b for b in self.batches if b < rows), default=1)
+            lo, hi = self.batches.get(lower, self), self.batches[upper]
+            f = (rows - lower) / (upper - lower)
+            self._between[rows] = StepCost({t: lo(t) + f * (hi(t) - lo(t)) for t in hi.sizes}, self.explore_every)
+        return self._between[rows]
 
     def ensure_batch(self, runner, rows: int) -> "StepCost":
         """:meth:`for_batch`, calibrating ``runner`` at ``rows`` rows first if no table exists for them (this
         resets the runner: call it before a generation starts)."""
         if rows > 1 and rows not in self.batches:
+            self._between.clear()  # interpolated from the tables so far
             timed = min(rows, self.MAX_CALIBRATION_ROWS)
             if timed not in self.batches:
                 self.batches[timed] = StepCost.calibrate(runner, repeats=2, sizes=self.BATCH_SIZES, rows=timed,

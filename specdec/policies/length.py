@@ -46,6 +46,16 @@ class StaticLength:
         cost = None if self.cost is None else self.cost.for_batch(len(left))
         return Budget(depth, nodes, cost=cost, stop=self.stop)
 
+    @property
+    def keeps_rows(self) -> bool:
+        """Whether :meth:`keep_rows` can drop finished rows (a stop rule keeps per-row state of its own)."""
+        return self.stop is None
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Finished rows left the batch: keep ``rows`` (ascending batch indices) only."""
+        if self.stop is not None:
+            raise NotImplementedError("a stop rule keeps its rows")
+
     def observe_step(self, tree_size: int, seconds: float, rows: int = 1) -> None:
         """The measured target forward over ``rows`` rows of ``tree_size`` nodes."""
         if self.cost is not None:
@@ -74,6 +84,10 @@ class HeuristicLength(StaticLength):
     def begin(self, batch_size: int, state=None) -> None:
         super().begin(batch_size, state)
         self._rows = [self.k] * batch_size
+
+    def keep_rows(self, rows: list[int]) -> None:
+        super().keep_rows(rows)
+        self._rows = [self._rows[r] for r in rows] if self._rows else []
 
     def length(self) -> int:
         """The current length of row 0 (the whole schedule, for one row)."""
