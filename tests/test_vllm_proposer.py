@@ -202,6 +202,18 @@ def test_step_cost_fit_and_plan():
     assert plan_lengths([[0.3] * 5, [0.01]], flat) == [5, 1]  # free tokens are always worth verifying
 
 
+def test_plan_explores_smaller_steps():
+    """A plan that keeps every token makes every step the same size, and a fit that saw one size only can
+    never learn the slope: one plan in explore_every keeps the likelier half, and the fit then gets ready."""
+    cost = LinearStepCost(explore_every=4)
+    reach = [[0.9, 0.8, 0.6, 0.5, 0.3, 0.2, 0.1, 0.1], [0.7, 0.4, 0.1, 0.1]]
+    plans = [plan_lengths(reach, cost) for _ in range(8)]
+    assert plans[:3] == [[8, 4]] * 3 and plans[3] == plans[7] == [4, 2]  # the six likeliest tokens
+    for plan in plans:
+        cost.observe(2 + sum(plan), 0.010 + 0.002 * (2 + sum(plan)))
+    assert cost.ready and abs(cost.coefficients()[1] - 0.002) < 1e-9
+
+
 def test_module_imports_without_transformers_or_vllm():
     code = "import specdec.integrations.vllm, sys; print(' '.join(sys.modules))"
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

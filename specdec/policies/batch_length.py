@@ -13,11 +13,19 @@ class LinearStepCost:
     """``c(T) = a + b T`` seconds for a step over ``T`` tokens, fitted by exponentially weighted least squares.
 
     ``decay`` weights recent steps more (the engine's load changes); until the observations span at least
-    ``min_spread`` tokens the slope is unknown and :attr:`ready` is False."""
+    ``min_spread`` tokens the slope is unknown and :attr:`ready` is False. A plan that keeps every token
+    (a slope fitted near 0, or none yet) would make every step the same size, and the fit could never see
+    the slope again: :meth:`explore` has one step in ``explore_every`` verify half the planned tokens."""
 
-    def __init__(self, decay: float = 0.98, min_spread: float = 2.0):
-        self.decay, self.min_spread = decay, min_spread
+    def __init__(self, decay: float = 0.98, min_spread: float = 2.0, explore_every: int = 16):
+        self.decay, self.min_spread, self.explore_every = decay, min_spread, explore_every
         self._s = [0.0] * 5  # weight, sum T, sum T^2, sum c, sum T c
+        self._plans = 0
+
+    def explore(self) -> bool:
+        """True once every ``explore_every`` calls (the planner then keeps half its tokens)."""
+        self._plans += 1
+        return self.explore_every > 0 and self._plans % self.explore_every == 0
 
     def observe(self, tokens: int, seconds: float) -> None:
         d, s = self.decay, self._s
@@ -47,19 +55,22 @@ def plan_lengths(reach: list[list[float]], cost: LinearStepCost) -> list[int]:
     reach: per request, the probability that each of its draft tokens is accepted (non-increasing along a
     chain; an empty list for a request without a draft). Returns per request ``n`` in ``[0, len(reach[i])]``
     maximising ``(B + sum of kept reach) / c(B + sum n)``; without a fitted cost every draft token is kept.
+    On an exploring step (:meth:`LinearStepCost.explore`) only the likelier half of those is kept.
     """
-    if not cost.ready:
-        return [len(r) for r in reach]
-    a, b = cost.coefficients()
+    explore = cost.explore()
     tokens = [(p, i) for i, row in enumerate(reach) for p in row]
     tokens.sort(key=lambda x: -x[0])  # stable: equal reach keeps chain order, so prefixes stay prefixes
-    n_rows = len(reach)
-    expected, best_rate, best_k = float(n_rows), n_rows / (a + b * n_rows), 0
-    for k, (p, _) in enumerate(tokens, start=1):
-        expected += p
-        rate = expected / (a + b * (n_rows + k))
-        if rate > best_rate:
-            best_rate, best_k = rate, k
+    n_rows, best_k = len(reach), len(tokens)
+    if cost.ready:
+        a, b = cost.coefficients()
+        expected, best_rate, best_k = float(n_rows), n_rows / (a + b * n_rows), 0
+        for k, (p, _) in enumerate(tokens, start=1):
+            expected += p
+            rate = expected / (a + b * (n_rows + k))
+            if rate > best_rate:
+                best_rate, best_k = rate, k
+    if explore:
+        best_k //= 2
     out = [0] * n_rows
     for _, i in tokens[:best_k]:
         out[i] += 1
