@@ -115,16 +115,16 @@ class _Outputs:
         return [0 if self.done[r] else self.max_new - len(self.tokens[r]) - 1 for r in rows]
 
 
-def _leave_batch(live: list[int], done: list[bool], *holders) -> list[int]:
+def _leave_batch(live: list[int], done: list[bool], *holders) -> tuple[list[int], list[int] | None]:
     """Drop the finished rows from the batch: ``live`` maps batch rows to prompts; every holder of per-row
     state (the runner, the decode state, the drafter, the policy) keeps the unfinished rows. Returns the
-    new map."""
+    new map and the batch rows kept (None where no row left)."""
     keep = [r for r, i in enumerate(live) if not done[i]]
     if keep and len(keep) < len(live):
         for holder in holders:
             holder.keep_rows(keep)
-        return [live[r] for r in keep]
-    return live
+        return [live[r] for r in keep], keep
+    return live, None
 
 
 @contextmanager
@@ -240,7 +240,7 @@ def speculative_generate(
                                    step.path_len)
             drafter.update(state, tree, step.path, step.lengths, step.drafted)
         if leave:
-            live = _leave_batch(live, out.done, target, state, drafter, policy)
+            live, _ = _leave_batch(live, out.done, target, state, drafter, policy)
     drafter.finish()
     stats.draft_calls = drafter.draft_calls
     stats.drafter = drafter.summary()
@@ -276,10 +276,9 @@ def autoregressive_generate(
                 out.add(r, [t])
         if all(out.done):
             break
-        keep = [r for r, i in enumerate(live) if not out.done[i]]
-        if len(keep) < len(live):
-            target.keep_rows(keep)
-            tok, live = tok[torch.tensor(keep, device=tok.device)], [live[r] for r in keep]
+        live, keep = _leave_batch(live, out.done, target)
+        if keep is not None:
+            tok = tok[torch.tensor(keep, device=tok.device)]
             ones, zero_path = _one_token_path(len(live), target.device)
         with _timed(stats, "target_s"):
             logits, _ = target.forward_tree(DraftTree.chain(tok))

@@ -622,9 +622,10 @@ class ModelRunner:
     @torch.inference_mode()
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows ``rows`` (ascending indices), in that order: finished rows leave the batch,
-        so later forwards compute ``len(rows)`` rows. Each kept row's committed KV moves down in place (row
-        ``rows[j]`` to ``j``, never upwards, so one copy per layer is safe); the buffers stay allocated at
-        their full batch for the next :meth:`reset`. Nothing may be pending."""
+        so later forwards compute ``len(rows)`` rows. Each kept row's committed KV moves down in place, row
+        ``rows[j]`` to ``j`` from the first row that moves on (a source is never a row written before it: no
+        temporary); the buffers stay allocated at their full batch for the next :meth:`reset`. Nothing may be
+        pending."""
         if self.cache.pending:
             raise ValueError("keep_rows with nodes pending: commit or drop them first")
         if not rows or sorted(set(rows)) != list(rows) or rows[-1] >= self.batch_size:
@@ -632,14 +633,18 @@ class ModelRunner:
         if len(rows) == self.batch_size:
             return
         n, end = len(rows), self.cache.write_pos
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        first = next((j for j, r in enumerate(rows) if r != j), n)
         for layer in self.cache.layers:
             if layer.is_initialized:
                 for buf in (layer.keys, layer.values):
-                    buf[:n, :, :end].copy_(buf[:, :, :end].index_select(0, index))
+                    for j in range(first, n):
+                        buf[j, :, :end].copy_(buf[rows[j], :, :end])
                 layer.keys, layer.values = layer.keys[:n], layer.values[:n]
-        lengths = self.cache.lengths.index_select(0, index)
-        self.cache.lengths = lengths
+                for t in (layer.keys, layer.values):  # as allocate() marks the buffers (see there)
+                    torch._dynamo.mark_static(t, 1)
+                    torch._dynamo.mark_static(t, 3)
+        self.cache.lengths = self.cache.lengths[:n].clone() if first == n else \
+            self.cache.lengths.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self.device))
         self._set_lengths_host([self.cache.lengths_host[r] for r in rows])
         self.batch_size = n
 

@@ -96,28 +96,48 @@ def test_ragged_batch_matches_rows_alone(arch, method):
 
 @pytest.mark.parametrize("method", ["ar", "pld", "ngrammys", "sd"])
 def test_finished_rows_leave_the_batch(arch, method, monkeypatch):
-    """A row that ends (at its EOS, or its token budget reached by a long accepted draft) leaves the batch:
-    later forwards compute fewer rows, and every row is still its own greedy output; twice on one decoder
-    (the second generation reuses the buffers the first shrank). A model drafter keeps its rows."""
+    """Rows that end (at an EOS, or at the token budget) leave the batch: later forwards compute fewer rows,
+    down to one, and every row is still its own greedy output; twice on one decoder (the second generation
+    reuses the buffers the first shrank); sampled rows end as they should. A model drafter keeps its rows."""
     from specdec.model import ModelRunner
 
     dec = decoder(arch)
-    rows = []  # rows of each decode forward since the last prompt's (step-cost calibrations run before it)
+    rows, decoding = [], [False]  # rows of each forward after the prompt's (calibrations run before it)
     forward, prefill = ModelRunner.forward_tree, ModelRunner.prefill
+
+    def prefill_then_count(self, *a, **k):
+        decoding[0] = False
+        out = prefill(self, *a, **k)
+        rows.clear()
+        decoding[0] = self is dec.runner
+        return out
+
     monkeypatch.setattr(ModelRunner, "forward_tree", lambda self, tree, *a, **k: (
-        rows.append(tree.tokens.shape[0]) if self is dec.runner else None) or forward(self, tree, *a, **k))
-    monkeypatch.setattr(ModelRunner, "prefill", lambda self, *a, **k: rows.clear() or prefill(self, *a, **k))
+        rows.append(tree.tokens.shape[0]) if decoding[0] and self is dec.runner else None) or forward(self, tree, *a, **k))
+    monkeypatch.setattr(ModelRunner, "prefill", prefill_then_count)
     prompts = [prompt_of(n, seed=n + 20) for n in (5, 12, 30, 8)]
-    eos = hf_generate(dec.model, prompts[1], 24, GREEDY, eos_token_id=None)[4]  # row 1 ends early
-    dec.eos = {eos}
+    free = [hf_generate(dec.model, p, 24, GREEDY, eos_token_id=None) for p in prompts]
+    # Rows 0-2 end at an EOS, a token of their own that row 3 never emits (the latest in their first dozen; tiny
+    # models loop, gemma3's repeats one token from the first); row 3 runs to the budget and ends last.
+    eos = {next(t for t in reversed(f[:12]) if t not in free[3]) for f in free[:3]}
+    dec.eos = eos
+    refs = [hf_generate(dec.model, p, 24, GREEDY, eos_token_id=sorted(eos)) for p in prompts]
+    assert len(refs[3]) == 24 and max(map(len, refs[:3])) < 24
     for _ in range(2):
         out = dec.generate_ids(prompts, method, 24, GREEDY)
-        assert out.tokens == [hf_generate(dec.model, p, 24, GREEDY, eos_token_id=eos) for p in prompts]
-        assert rows[0] == len(prompts)
+        assert out.tokens == refs
         if method == "sd":
             assert set(rows) == {len(prompts)}
         else:
-            assert min(rows) < len(prompts) and rows == sorted(rows, reverse=True)
+            assert rows == sorted(rows, reverse=True) and rows[-1] < len(prompts)
+            if method == "ar":  # rows ended by their first token leave before the first forward; row 3 ends alone
+                assert rows[0] == sum(len(r) > 1 for r in refs) and rows[-1] == 1
+            else:  # the first step verifies every row
+                assert rows[0] == len(prompts)
+    sampled = dec.generate_ids(prompts, method, 24, SamplingConfig(temperature=1.0, seed=3)).tokens
+    for toks in sampled:
+        ends = [i for i, t in enumerate(toks) if t in eos]
+        assert 0 < len(toks) <= 24 and (ends == [len(toks) - 1] or (not ends and len(toks) == 24))
 
 
 @pytest.mark.parametrize("method", ["ar", "ngrammys", "sd"])

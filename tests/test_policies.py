@@ -140,6 +140,23 @@ def test_batch_width_shares_one_width_across_rows():
     assert batch_width(reach, valid, StepCost({1: 1.0, 2: 3.0}, explore_every=0)) == [0, 0]
 
 
+def test_step_cost_interpolates_batches_whose_rows_left(monkeypatch):
+    """A batch size below a calibrated one (finished rows left the batch) gets a table interpolated in rows
+    between the nearest calibrated sizes, one row's below; kept, so its own steps update it; a new calibration
+    drops it."""
+    one = StepCost({1: 1.0, 2: 1.2, 4: 1.6}, explore_every=0)
+    one.batches[5] = StepCost({1: 5.0, 2: 7.0, 4: 11.0}, explore_every=0)
+    assert one.for_batch(6) is one and one.for_batch(1) is one  # above every calibrated size: as before
+    two = one.for_batch(2)
+    assert two is one.for_batch(2) and two.table == pytest.approx({1: 2.0, 2: 2.65, 4: 3.95})  # a quarter of the way
+    two.observe(1, 3.0, weight=1.0)
+    assert one.for_batch(2)(1) == 3.0
+    monkeypatch.setattr(StepCost, "calibrate", classmethod(lambda cls, *a, **k: cls({1: 3.0, 2: 4.0, 4: 6.0})))
+    one.ensure_batch(None, 3)
+    assert one.for_batch(2).table == pytest.approx({1: 2.0, 2: 2.6, 4: 3.8})  # now halfway between 1 and 3 rows
+    assert one.for_batch(4).table == pytest.approx({1: 4.0, 2: 5.5, 4: 8.5})  # halfway between 3 and 5 rows
+
+
 def test_step_cost_keeps_a_table_per_batch_size():
     """ensure_batch calibrates a runner at B rows once; for_batch returns it (one row's table otherwise), and a
     policy's observations of a B-row step land in the B-row table only."""

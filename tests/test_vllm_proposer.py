@@ -113,7 +113,7 @@ def test_history_keeps_acceptance_per_requests_last_outcome(monkeypatch, history
     p = PromptLookupProposer(vllm_config(k=6, max_model_len=256))
     monkeypatch.setattr(p, "chains", lambda seq, lens, w: (torch.arange(1, 1 + w).repeat(seq.shape[0], 1),
                                                            torch.full((seq.shape[0],), 4)))
-    cost = LinearStepCost()
+    cost = LinearStepCost(explore_every=0)
     for t in range(2, 30):  # a dear token: a step over 2 + 12 tokens costs 2.2x a step over 2
         cost.observe(t, 0.010 + 0.001 * t)
     monkeypatch.setattr(cost, "observe", lambda *a: None)
@@ -148,6 +148,16 @@ def test_bench_labels_carry_proposer_options(monkeypatch):
     monkeypatch.setenv(OPTIONS_ENV, json.dumps({"n_min": 2}))
     seen = _start_engine("vllm-specdec-pld:history=false", lambda: json.loads(os.environ[OPTIONS_ENV]))
     assert seen == {"n_min": 2, "history": False} and json.loads(os.environ[OPTIONS_ENV]) == {"n_min": 2}
+    from specdec.integrations.vllm_bench import check_label
+
+    check_label("vllm-specdec-pld:history=false", 8)
+    check_label("vllm-ngram", 8)
+    with pytest.raises(ValueError, match="must be bool"):  # refused before any engine starts, not at its start
+        check_label("vllm-specdec-pld:history=0", 8)
+    with pytest.raises(ValueError, match="unknown option"):
+        check_label("vllm-specdec-ngrammys:n_mx=3", 8)
+    with pytest.raises(ValueError, match="unknown method"):
+        check_label("vllm-medusa", 8)
 
 
 def test_bad_options_fail_at_start(monkeypatch):

@@ -189,7 +189,7 @@ class Drafter:
 
     def keep_rows(self, rows: list[int]) -> None:
         """Finished rows left the batch: keep the per-row state of ``rows`` (ascending batch indices) only, in
-        that order. Called only where :attr:`keeps_rows` (a drafter without per-row state keeps nothing)."""
+        that order. Called only where :attr:`keeps_rows`; this default suits a drafter with no per-row state."""
         if not self.keeps_rows:
             raise NotImplementedError(f"{type(self).__name__} keeps its rows")
 

@@ -58,6 +58,8 @@ class NGrammysDrafter(Drafter):
     tokens each source's chains produced (a node shared by two sources counts for the lower slot).
     """
 
+    keeps_rows = True  # nothing per row outlives a step: finished rows may leave the batch
+
     def __init__(self, tables: NGramTables | None, k: int = 10, w: int = 10, q: int = 1, n_max: int = 4,
                  strategy: str = "mixed", verify: str = "tree", acceptance=None,
                  corpus: NGramCorpus | None = None, c: int = 0, support: bool = True):
@@ -159,11 +161,6 @@ class NGrammysDrafter(Drafter):
         rank = torch.where(in_long, slot, torch.where(in_cor, slot - n_long[:, None],
                                                       torch.where(in_q, ctx_slot - n_long[:, None], big_rank)))
         return drafts, source, rank.clamp(0, k - 1)
-
-    keeps_rows = True  # nothing per row outlives a step: finished rows may leave the batch
-
-    def keep_rows(self, rows: list[int]) -> None:
-        pass
 
     def max_tree_size(self, depth: int) -> int:
         return 1 + self.k * min(self.w, depth)  # k branches that share nothing, at most

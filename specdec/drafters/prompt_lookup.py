@@ -30,7 +30,7 @@ class PromptLookupDrafter(Drafter):
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
-        self._outcome = [0] * state.seq.shape[0]
+        self._signal, self._outcome = [], [0] * state.seq.shape[0]
 
     keeps_rows = True
 

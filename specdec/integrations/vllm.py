@@ -180,7 +180,8 @@ class _ChainProposer:
 
 class PromptLookupProposer(_ChainProposer):
     """Prompt lookup: the continuation of the longest suffix n-gram (``n_min .. n_max`` tokens) that occurred
-    earlier in the request; the acceptance model is kept per matched n-gram size."""
+    earlier in the request; the acceptance model is kept per matched n-gram size (and, with ``history``, per
+    outcome of the request's last draft)."""
 
     DEFAULTS = {**_ChainProposer.DEFAULTS, "n_min": 1, "n_max": 4}
 
@@ -199,7 +200,8 @@ class NGrammysProposer(_ChainProposer):
     """N-Grammys' best chain per request (:class:`specdec.drafters.ngrammys.NGrammysDrafter` with one slot):
     a longest-suffix context match of ``q + 1 .. n_max`` tokens, else the n-gram corpus's continuation,
     else a match of the last ``q`` tokens, else the model's extended bigram row. The acceptance model is
-    kept per source (which of those, and the match's length).
+    kept per source (which of those, and the match's length; with ``history``, per outcome of the request's
+    last draft too).
 
     Options: ``corpus``: ``"auto"`` (the shipped corpus made for this tokenizer's vocabulary, if any), a
     path to a corpus file (refused unless it was made for this vocabulary), or ``null``; ``bigram``: use

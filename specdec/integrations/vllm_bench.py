@@ -26,6 +26,7 @@ accepted tokens come from vLLM's spec-decode counters per group, split the same 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -88,6 +89,18 @@ def _start_engine(label: str, make):
             os.environ.pop(OPTIONS_ENV, None)
         else:
             os.environ[OPTIONS_ENV] = before
+
+
+def check_label(label: str, k: int) -> None:
+    """Refuse a vLLM bench label now, before any engine starts, if vLLM would refuse it at its engine's start:
+    an unknown method, or proposer options (the label's over ``$SPECDEC_VLLM_OPTIONS``) the proposer rejects."""
+    from specdec.integrations.vllm import read_options
+
+    model = (speculative_config(split_label(label)[0], k) or {}).get("model", "")
+    if model.startswith("specdec."):
+        module, name = model.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name)
+        _start_engine(label, lambda: read_options(cls.DEFAULTS, cls.NULLABLE))
 
 
 def _spec_counters(llm) -> tuple[int, int]:
@@ -162,9 +175,9 @@ def run(args) -> dict:
 
     labels = ["vllm"] + [m for m in args.methods.split(",") if m and m != "vllm"]
     engine = {m: _engine_method(m) for m in labels}  # specdec's method for specdec-NAME labels, else None
-    for m in labels:  # unknown names fail before any engine starts
+    for m in labels:  # unknown names and bad proposer options fail before any engine starts
         if engine[m] is None:
-            speculative_config(split_label(m)[0], args.k)
+            check_label(m, args.k)
     path = str(resolve(args.model))
     prompts = read_prompts(args.prompts, TokenizerEncoder(AutoTokenizer.from_pretrained(path)), args.limit)
     longest = max(len(p.ids) for p in prompts) + args.max_new_tokens + args.k + 1

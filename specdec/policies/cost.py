@@ -12,7 +12,8 @@ class StepCost:
 
     The table is for one row. A forward over ``B`` rows of ``T`` tokens is another shape (``B * T`` tokens
     through every weight): :meth:`ensure_batch` calibrates a table of its own per batch size, which
-    :meth:`for_batch` returns (one row's table until then).
+    :meth:`for_batch` returns (a table interpolated in rows for a size below a calibrated one, whose
+    finished rows left the batch; one row's table for others).
     """
 
     SIZES = (1, 2, 3, 4, 5, 6, 8, 11, 16)
