@@ -26,6 +26,7 @@ import torch
 
 import specdec.model as model_mod
 from specdec.api import SpecDecoder
+from specdec.methods import parse_label
 from specdec.prompts import TokenizerEncoder, read_prompts
 
 
@@ -37,7 +38,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--row-min", type=int, default=model_mod.ROW_PREFILL_MIN)
-    p.add_argument("--methods", default="ar", help="comma list of methods, each run on the same batch in turn")
+    p.add_argument("--methods", default="ar", help="comma list of methods (with options, as specdec bench's labels: "
+                   "pld:history=0), each run on the same batch in turn")
     p.add_argument("--linear", default="auto", help="the target's linear kernel, as specdec bench --linear")
     p.add_argument("--prompt-attention", default=model_mod.PROMPT_ATTENTION, choices=["sdpa", "kernel"],
                    help="specdec.model.PROMPT_ATTENTION: how prompts on an empty cache attend")
@@ -52,11 +54,12 @@ def main() -> None:
     ids = [q.ids for q in prompts[args.group * args.batch:(args.group + 1) * args.batch]]
     lens = [len(x) for x in ids]
     for method in args.methods.split(","):
-        dec.generate_ids(ids, method, 4)  # warm-up, the cache buffers at this batch size, the batch's step costs
+        name, options = parse_label(method)  # e.g. pld:history=0
+        dec.generate_ids(ids, name, 4, **options)  # warm-up, the cache buffers at this batch size, the batch's step costs
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile \
                 else contextlib.nullcontext() as prof:
             t0 = time.perf_counter()
-            res = dec.generate_ids(ids, method, args.max_new_tokens)
+            res = dec.generate_ids(ids, name, args.max_new_tokens, **options)
             seconds = time.perf_counter() - t0
         if args.profile:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
