@@ -495,3 +495,39 @@ def test_compiled_runner_grows_the_same_tree():
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+@pytest.mark.parametrize("keep", [[0, 1], [1, 3], [0, 2, 3], [2]])
+def test_keep_rows_equals_the_rows_alone(keep, attention):
+    """Rows that leave the batch (``keep_rows``, trailing rows only or rows that move down): the kept rows'
+    lengths, and their next logits over a chain, are those of a runner that held only them from the start."""
+    if attention == "kernel" and not K.has_native("tree_attention"):
+        pytest.skip("specdec._C is not built")
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 96, (n,), generator=g) for n in (7, 3, 11, 5)]
+
+    def runner_of(rows: list[int]) -> ModelRunner:
+        runner = ModelRunner(model, attention=attention)
+        lens = [len(prompts[r]) for r in rows]
+        ids = torch.zeros(len(rows), max(lens), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            ids[i, : lens[i]] = prompts[r]
+        runner.reset(len(rows), max(lens) + 8)
+        runner.prefill(ids, torch.tensor(lens))
+        return runner
+
+    a, b = runner_of([0, 1, 2, 3]), runner_of(keep)
+    a.keep_rows(keep)
+    assert a.batch_size == len(keep) and a.lengths_host == b.lengths_host and torch.equal(a.lengths, b.lengths)
+    assert a.cache.write_pos == max(a.lengths_host)
+    chain = torch.randint(1, 96, (len(keep), 3), generator=g)
+    want, _ = b.forward_tree(DraftTree.chain(chain[:, 0], chain[:, 1:]))
+    got, _ = a.forward_tree(DraftTree.chain(chain[:, 0], chain[:, 1:]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="pending"):
+        a.keep_rows([0])
+    a.drop_pending()
+    with pytest.raises(ValueError, match="ascending"):
+        a.keep_rows([1, 0])

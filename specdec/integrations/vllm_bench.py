@@ -92,8 +92,9 @@ def _start_engine(label: str, make):
 
 
 def check_label(label: str, k: int) -> None:
-    """Refuse a vLLM bench label now, before any engine starts, if vLLM would refuse it at its engine's start:
-    an unknown method, or proposer options (the label's over ``$SPECDEC_VLLM_OPTIONS``) the proposer rejects."""
+    """Refuse a vLLM bench label now, before any engine starts: an unknown method, or proposer options (the
+    label's over ``$SPECDEC_VLLM_OPTIONS``) of unknown names or wrong types. Values out of range (``n_min >
+    n_max``, a corpus of another vocabulary) still fail at that engine's start."""
     from specdec.integrations.vllm import read_options
 
     model = (speculative_config(split_label(label)[0], k) or {}).get("model", "")
