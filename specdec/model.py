@@ -632,13 +632,14 @@ class ModelRunner:
             raise ValueError(f"rows must be ascending batch indices below {self.batch_size}, got {rows}")
         if len(rows) == self.batch_size:
             return
-        n, end = len(rows), self.cache.write_pos
+        n, lengths = len(rows), self.cache.lengths_host
         first = next((j for j, r in enumerate(rows) if r != j), n)
         for layer in self.cache.layers:
             if layer.is_initialized:
                 for buf in (layer.keys, layer.values):
                     for j in range(first, n):
-                        buf[j, :, :end].copy_(buf[rows[j], :, :end])
+                        m = lengths[rows[j]]  # its committed KV; past it nothing is visible
+                        buf[j, :, :m].copy_(buf[rows[j], :, :m])
                 layer.keys, layer.values = layer.keys[:n], layer.values[:n]
                 for t in (layer.keys, layer.values):  # as allocate() marks the buffers (see there)
                     torch._dynamo.mark_static(t, 1)

@@ -75,6 +75,11 @@ def last_outcome(drafted: int, accepted: int, before: int = 0) -> int:
     return 1 if accepted <= 0 else 2 if accepted < drafted else 3
 
 
+def with_outcome(signal: int, outcome: int) -> int:
+    """An acceptance-model signal split by a request's :func:`last_outcome` level."""
+    return signal * OUTCOMES + outcome
+
+
 class StepCostLike(Protocol):
     """What a drafter may read of the measured target step cost (:class:`specdec.policies.StepCost`)."""
 

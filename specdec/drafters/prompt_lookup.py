@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from specdec import kernels
-from specdec.drafters.base import OUTCOMES, Budget, DecodeState, Drafter, last_outcome
+from specdec.drafters.base import Budget, DecodeState, Drafter, last_outcome, with_outcome
 from specdec.tree import DraftTree
 
 
@@ -54,7 +54,7 @@ class PromptLookupDrafter(Drafter):
         if self.acceptance is not None and budget.cost is not None:
             if len(self._outcome) != len(match_n):  # proposing without begin(): no outcomes yet
                 self._outcome = [0] * len(match_n)
-            self._signal = [n * OUTCOMES + o if n > 0 and self.history else n
+            self._signal = [with_outcome(n, o) if n > 0 and self.history else n
                             for n, o in zip(match_n.tolist(), self._outcome)]
             reach = [[1.0] + [beta * gamma**i for i in range(w)]
                      for beta, gamma in (self.acceptance.params(s) if s > 0 else (0.0, 0.0) for s in self._signal)]

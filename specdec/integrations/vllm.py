@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from specdec import kernels
-from specdec.drafters.base import OUTCOMES, DecodeState, last_outcome
+from specdec.drafters.base import OUTCOMES, DecodeState, last_outcome, with_outcome
 from specdec.policies.acceptance import AcceptanceModel
 from specdec.policies.batch_length import LinearStepCost, plan_lengths
 
@@ -155,7 +155,7 @@ class _ChainProposer:
             drafted = [min(int(f), int(r)) for f, r in zip(found, room)]
             signals = signals.tolist()
             if self.history:
-                signals = [s * self.HISTORY + self._outcome.get(row, 0) for s, row in zip(signals, rows)]
+                signals = [with_outcome(s, self._outcome.get(row, 0)) for s, row in zip(signals, rows)]
             if self.adaptive:
                 reach = []
                 for n, s in zip(drafted, signals):
