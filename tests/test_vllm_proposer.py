@@ -120,18 +120,53 @@ def test_history_keeps_acceptance_per_requests_last_outcome(monkeypatch, history
     p.cost = cost
     n = np.array([10, 10, 0, 0, 0, 0, 0, 0])
     ids = np.zeros((8, 256), dtype=np.int32)
+    ids[1, :10] = 7  # two prompts
     out = p.propose([[1], [1]], n, ids)
     for _ in range(20):
         sampled = [out[0] + [5], [5]]  # row 0: every draft token accepted; row 1: none
-        n[:2] += [len(x) for x in sampled]
+        for row, new in enumerate(sampled):
+            ids[row, n[row]: n[row] + len(new)] = new
+            n[row] += len(new)
         out = p.propose(sampled, n, ids)
-    signals = {row: last[2] for row, last in p._last.items()}
+    signals = {row: p._last[p.request_key(ids, row, int(n[row]))][1] for row in (0, 1)}
     if history:
         assert signals[0] % p.HISTORY == 3 and signals[0] // p.HISTORY == 4  # wholly accepted, 4-gram match
         assert len(out[0]) == 6 and len(out[1]) < len(out[0]), out
     else:
         assert signals[0] == signals[1] == 4  # the matched n-gram size alone
         assert len(out[0]) == len(out[1]), out
+
+
+def test_requests_keep_their_history_when_vllm_moves_their_rows(monkeypatch):
+    """vLLM moves a request to another batch row when others finish (and passes no request ids): what the
+    request's last draft did still reaches its next step, and a request new to a row does not inherit it."""
+    monkeypatch.delenv("SPECDEC_VLLM_OPTIONS", raising=False)
+    p = PromptLookupProposer(vllm_config(k=4, max_model_len=256))
+    p.cost = LinearStepCost(explore_every=0)
+    monkeypatch.setattr(p.cost, "observe", lambda *a: None)  # never fitted: every draft token is kept
+    reqs = [[5, 6, 7, 8] * 3, [1, 2, 3] * 4, [9, 9, 4, 2, 6] * 2]  # request 0 copies its context
+    rows = [0, 1, 2]  # request -> row
+    sampled = [[r[-1]] for r in reqs]
+    for step in range(6):
+        ids, n = batch([reqs[q] for q in sorted(range(len(reqs)), key=rows.__getitem__)], max_model_len=256)
+        by_row = [None] * len(reqs)
+        for q, row in enumerate(rows):
+            by_row[row] = sampled[q]
+        out = p.propose(by_row, n, ids)
+        signal = p._last[p.request_key(ids, rows[0], len(reqs[0]))][1]
+        if step >= 1:
+            assert signal % p.HISTORY == 3, (step, signal)  # its last draft was wholly accepted, wherever it sat
+        for q in range(len(reqs)):  # request 0 accepts all it was given; the others none
+            draft = out[rows[q]]
+            sampled[q] = draft + [reqs[q][len(reqs[q]) % 4]] if q == 0 else [0]
+            reqs[q] += sampled[q]
+        rows = rows[1:] + rows[:1] if step % 2 == 0 else rows[::-1]  # vLLM moves the requests around
+    assert p.stats["accepted"] == 5 * 4, p.stats  # steps 1-5 each learned request 0's 4 accepted tokens
+    # a request new to request 0's row, at request 0's old length but with other tokens, starts afresh
+    other = [3] * len(reqs[0])
+    ids, n = batch([other], max_model_len=256)
+    p.propose([[3]], n, ids)
+    assert p._outcome == {}
 
 
 def test_bench_labels_carry_proposer_options(monkeypatch):

@@ -42,6 +42,7 @@ OPTIONS_ENV = "SPECDEC_VLLM_OPTIONS"
 # A child of vLLM's own logger, so its lines appear where vLLM's do, in whichever process runs the proposer.
 log = logging.getLogger("vllm.specdec")
 LOG_EVERY = 500  # steps between the proposer's progress lines (level INFO)
+KEY_TOKENS = 64  # a request's last tokens that, with its length, identify it across steps (request_key)
 
 
 def read_options(defaults: dict, nullable: frozenset = frozenset(), env: str = OPTIONS_ENV) -> dict:
@@ -93,7 +94,9 @@ class _ChainProposer:
         self._outcome: dict[int, int] = {}  # row -> its request's last verified draft's outcome (last_outcome)
         self.acceptance = AcceptanceModel()
         self.cost = LinearStepCost()
-        self._last: dict[int, tuple[int, int, int]] = {}  # row -> (num_tokens, drafted, signal)
+        # request_key -> (drafted, signal, outcome) of the request's draft last step; None where two requests
+        # had one key (they then learn nothing that step)
+        self._last: dict[tuple[int, int], tuple[int, int, int] | None] = {}
         self._last_tokens = 0  # tokens the previous step verified (its rows' 1 + drafts)
         self._last_end: float | None = None
         self.stats = {"steps": 0, "rows": 0, "proposed": 0, "drafted": 0, "accepted": 0}
@@ -104,7 +107,15 @@ class _ChainProposer:
     def chains(self, seq: torch.Tensor, lens: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _learn(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray, now: float) -> None:
+    @staticmethod
+    def request_key(token_ids: np.ndarray, row: int, n: int) -> tuple[int, int]:
+        """What identifies the request in batch ``row`` at length ``n`` from one step to the next: ``n`` and
+        a hash of its last :data:`KEY_TOKENS` tokens. vLLM's hook passes no request ids, and vLLM moves
+        requests to other rows when others finish, so a request is known by its tokens, not its row."""
+        return n, hash(token_ids[row, max(0, n - KEY_TOKENS): n].tobytes())
+
+    def _learn(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray,
+               now: float) -> None:
         """Fold the outcome of the step vLLM just ran into the acceptance model and the step cost."""
         decoding = same = 0
         outcome: dict[int, int] = {}
@@ -112,17 +123,18 @@ class _ChainProposer:
             if not sampled:
                 continue
             decoding += 1
-            prev = self._last.get(row)
-            # The same request, one verification later: its length grew by exactly what it sampled.
-            if prev is None or int(num_tokens[row]) - len(sampled) != prev[0]:
+            # The same request, one verification later: the tokens it had then, now followed by what it sampled.
+            before = int(num_tokens[row]) - len(sampled)
+            prev = self._last.get(self.request_key(token_ids, row, before)) if before > 0 else None
+            if prev is None:
                 continue
             same += 1
-            _, drafted, signal = prev
+            drafted, signal, was = prev
             accepted = min(len(sampled) - 1, drafted)
             self.acceptance.update(signal, drafted, accepted)
             self.stats["drafted"] += drafted
             self.stats["accepted"] += accepted
-            outcome[row] = last_outcome(drafted, accepted, self._outcome.get(row, 0))
+            outcome[row] = last_outcome(drafted, accepted, was)
         self._outcome = outcome
         # Time only steps that verified exactly the rows drafted for: one that also prefilled a request
         # (a new row, or a row not decoding) costs far more than its decode tokens.
@@ -139,7 +151,7 @@ class _ChainProposer:
         most ``num_speculative_tokens`` ids."""
         now = time.perf_counter()
         if self.adaptive:
-            self._learn(sampled_token_ids, num_tokens_no_spec, now)
+            self._learn(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now)
         b = len(sampled_token_ids)
         out: list[list[int]] = [[] for _ in range(b)]
         lens_all = np.asarray(num_tokens_no_spec[:b], dtype=np.int64)
@@ -165,7 +177,8 @@ class _ChainProposer:
             draft_rows = drafts.tolist()
             for j, row in enumerate(rows):
                 out[row] = draft_rows[j][: drafted[j]]
-                self._last[row] = (int(lens[j]), drafted[j], signals[j])
+                key = self.request_key(token_ids_cpu, row, int(lens[j]))
+                self._last[key] = None if key in self._last else (drafted[j], signals[j], self._outcome.get(row, 0))
             self.stats["steps"] += 1
             self.stats["rows"] += len(rows)
             self.stats["proposed"] += sum(drafted)
