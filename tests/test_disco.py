@@ -220,6 +220,21 @@ def test_disco_schedule_is_lossless(tiny_disco, opts):
         assert 3 in dec.step_cost().batches
 
 
+@pytest.mark.parametrize("opts", [{"schedule": "disco", "disco_mode": "paper"}, {"schedule": "disco", "disco_mode": "cost"},
+                                  {"schedule": "oracle"}])
+def test_rows_leave_the_batch_with_their_stop_rule_state(tiny_disco, opts, monkeypatch):
+    """Finished rows leave a batch drafted under DISCO's (or the oracle's) stop rule: the rule's per-row
+    positions (and the oracle's references) leave with them, and every row stays its own greedy output."""
+    from tests.test_greedy_lossless import check_rows_leave
+
+    dec, path, *_ = tiny_disco
+    if opts["schedule"] == "disco":
+        opts = {**opts, "disco": str(path)}
+    monkeypatch.setattr(dec, "_references", {})  # the oracle's references are run with the EOS set here
+    monkeypatch.setattr(dec, "_reference_len", {})
+    check_rows_leave(dec, "sd", opts, monkeypatch, sampled=opts["schedule"] != "oracle")
+
+
 def test_disco_threshold_zero_drafts_to_the_maximum_and_one_stops_after_one(tiny_disco):
     dec, path, *_ = tiny_disco
     p = [prompt_of(7, seed=21)]

@@ -96,11 +96,12 @@ def _check_chains(target, draft, prompts: list[list[int]], draft_length: int) ->
     """Decode ``prompts`` (one ragged batch) with sd; check every row's chain at every step against
     the from-scratch recomputation, and greedy outputs against transformers. Returns accepted tokens."""
     dec = SpecDecoder(target, draft=draft)
-    seen = []
+    seen, rows = [], []
     orig = FeatureDraftDrafter.propose
 
     def spy(self, state, max_len):
         tree = orig(self, state, max_len)
+        rows.append(state.seq.shape[0])
         for r in range(state.seq.shape[0]):
             seq = state.seq[r, : state.seq_lens_host[r]].tolist()
             seen.append((seq, tree.tokens[r, 1:][tree.valid[r, 1:]].tolist()))  # rows near their end draft less
@@ -115,6 +116,8 @@ def _check_chains(target, draft, prompts: list[list[int]], draft_length: int) ->
     for seq, drafted in seen:
         assert drafted == _teacher_forced_chain(target, draft, seq, len(drafted))
     assert len(seen) > 3
+    if len({len(t) for t in res.tokens}) > 1:  # rows that ended first left the batch, their draft state with them
+        assert rows == sorted(rows, reverse=True) and rows[0] == len(prompts) and rows[-1] < len(prompts)
     return res.stats.accepted_tokens
 
 

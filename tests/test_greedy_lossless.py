@@ -94,22 +94,30 @@ def test_ragged_batch_matches_rows_alone(arch, method):
         assert toks == hf_generate(dec.model, p, 20, GREEDY)
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "ngrammys", "sd"])
-def test_finished_rows_leave_the_batch(arch, method, monkeypatch):
+@pytest.mark.parametrize("method,opts", [("ar", {}), ("pld", {}), ("ngrammys", {}), ("sd", {}),
+                                         ("sd", {"schedule": "heuristic"}), ("sd", {"confidence": 0.4})])
+def test_finished_rows_leave_the_batch(arch, method, opts, monkeypatch):
     """Rows that end (at an EOS, or at the token budget) leave the batch: later forwards compute fewer rows,
     down to one, and every row is still its own greedy output; twice on one decoder (the second generation
-    reuses the buffers the first shrank); sampled rows end as they should. A model drafter keeps its rows."""
+    reuses the buffers the first shrank); sampled rows end as they should. A draft model's cache and a stop
+    rule's state leave with their rows."""
+    check_rows_leave(decoder(arch), method, opts, monkeypatch)
+
+
+def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sampled: bool = True) -> None:
+    """:func:`test_finished_rows_leave_the_batch` for decoder ``dec`` and ``method`` with ``opts``."""
     from specdec.model import ModelRunner
 
-    dec = decoder(arch)
     rows, decoding = [], [False]  # rows of each forward after the prompt's (calibrations run before it)
     forward, prefill = ModelRunner.forward_tree, ModelRunner.prefill
 
     def prefill_then_count(self, *a, **k):
+        if self is not dec.runner:  # a draft model's prompt
+            return prefill(self, *a, **k)
         decoding[0] = False
         out = prefill(self, *a, **k)
         rows.clear()
-        decoding[0] = self is dec.runner
+        decoding[0] = True
         return out
 
     monkeypatch.setattr(ModelRunner, "forward_tree", lambda self, tree, *a, **k: (
@@ -120,24 +128,21 @@ def test_finished_rows_leave_the_batch(arch, method, monkeypatch):
     # Rows 0-2 end at an EOS, a token of their own that row 3 never emits (the latest in their first dozen; tiny
     # models loop, gemma3's repeats one token from the first); row 3 runs to the budget and ends last.
     eos = {next(t for t in reversed(f[:12]) if t not in free[3]) for f in free[:3]}
-    dec.eos = eos
+    monkeypatch.setattr(dec, "eos", eos)
     refs = [hf_generate(dec.model, p, 24, GREEDY, eos_token_id=sorted(eos)) for p in prompts]
     assert len(refs[3]) == 24 and max(map(len, refs[:3])) < 24
     for _ in range(2):
-        out = dec.generate_ids(prompts, method, 24, GREEDY)
+        out = dec.generate_ids(prompts, method, 24, GREEDY, **opts)
         assert out.tokens == refs
-        if method == "sd":
-            assert set(rows) == {len(prompts)}
-        else:
-            assert rows == sorted(rows, reverse=True) and rows[-1] < len(prompts)
-            if method == "ar":  # rows ended by their first token leave before the first forward; row 3 ends alone
-                assert rows[0] == sum(len(r) > 1 for r in refs) and rows[-1] == 1
-            else:  # the first step verifies every row
-                assert rows[0] == len(prompts)
-    sampled = dec.generate_ids(prompts, method, 24, SamplingConfig(temperature=1.0, seed=3)).tokens
-    for toks in sampled:
-        ends = [i for i, t in enumerate(toks) if t in eos]
-        assert 0 < len(toks) <= 24 and (ends == [len(toks) - 1] or (not ends and len(toks) == 24))
+        assert rows == sorted(rows, reverse=True) and rows[-1] < len(prompts)
+        if method == "ar":  # rows ended by their first token leave before the first forward; row 3 ends alone
+            assert rows[0] == sum(len(r) > 1 for r in refs) and rows[-1] == 1
+        else:  # the first step verifies every row
+            assert rows[0] == len(prompts)
+    if sampled:
+        for toks in dec.generate_ids(prompts, method, 24, SamplingConfig(temperature=1.0, seed=3), **opts).tokens:
+            ends = [i for i, t in enumerate(toks) if t in eos]
+            assert 0 < len(toks) <= 24 and (ends == [len(toks) - 1] or (not ends and len(toks) == 24))
 
 
 @pytest.mark.parametrize("method", ["ar", "ngrammys", "sd"])

@@ -45,8 +45,14 @@ class DraftModelDrafter(Drafter):
         self.target_vocab = model.config.get_text_config().vocab_size
         self.margin = 8  # cache room past the longest sequence (a drafter growing trees in the pending region needs more)
 
+    keeps_rows = True  # its per-row state: the draft cache and the host mirror of its lengths
+
     def max_tree_size(self, depth: int) -> int:
         return 1 + depth
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.runner.keep_rows(rows)  # nothing is pending: update() rolled the draft cache back
+        self._seen = [self._seen[r] for r in rows]
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)

@@ -39,6 +39,15 @@ class FeatureDraftDrafter(DraftModelDrafter):
         self._nfeat = torch.zeros(b, dtype=torch.int64, device=state.seq.device)
         self._proposed_at = [0] * b
 
+    def keep_rows(self, rows: list[int]) -> None:
+        super().keep_rows(rows)
+        for j, r in enumerate(rows):  # in place, as the runner moves its KV: r >= j, so no source is overwritten first
+            if r != j:
+                self._feat[j].copy_(self._feat[r])
+        self._feat = self._feat[: len(rows)]
+        self._nfeat = self._nfeat.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self._nfeat.device))
+        self._proposed_at = [self._proposed_at[r] for r in rows]
+
     def _catch_up(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._proposed_at = list(state.seq_lens_host)  # positions below it are read with the target's states
         return super()._catch_up(state)

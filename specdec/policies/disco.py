@@ -193,6 +193,9 @@ class DiscoStop(StopRule):
         self._reach: list[torch.Tensor] = []
         self._last_call = None
 
+    def keep_rows(self, rows: list[int]) -> None:
+        self._position = [self._position[r] for r in rows]  # the step's logits were consumed by update
+
     def keep_going(self, depth: int, logits: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         now = time.perf_counter()
         if depth == 1:
@@ -287,6 +290,10 @@ class OracleStop(StopRule):
                 raise ValueError("the oracle schedule has no reference run for this prompt (prepare the method first)")
             self._ref.append(self.references[prompt])
         self._position = [1] * batch_size
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self._ref = [self._ref[r] for r in rows]
+        self._position = [self._position[r] for r in rows]
 
     def keep_going(self, depth: int, logits: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         if tokens is None:

@@ -48,13 +48,15 @@ class StaticLength:
 
     @property
     def keeps_rows(self) -> bool:
-        """Whether :meth:`keep_rows` can drop finished rows (a stop rule keeps per-row state of its own)."""
-        return self.stop is None
+        """Whether :meth:`keep_rows` can drop finished rows (its stop rule, if any, must drop them too)."""
+        return self.stop is None or getattr(self.stop, "keeps_rows", False)
 
     def keep_rows(self, rows: list[int]) -> None:
         """Finished rows left the batch: keep ``rows`` (ascending batch indices) only."""
+        if not self.keeps_rows:
+            raise NotImplementedError(f"{type(self.stop).__name__} keeps its rows")
         if self.stop is not None:
-            raise NotImplementedError("a stop rule keeps its rows")
+            self.stop.keep_rows(rows)
 
     def observe_step(self, tree_size: int, seconds: float, rows: int = 1) -> None:
         """The measured target forward over ``rows`` rows of ``tree_size`` nodes."""
