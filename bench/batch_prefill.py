@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--row-min", type=int, default=model_mod.ROW_PREFILL_MIN)
     p.add_argument("--methods", default="ar", help="comma list of methods (with options, as specdec bench's labels: "
                    "pld:history=0), each run on the same batch in turn")
+    p.add_argument("--draft", default=None, help="draft model(s) for sd and the methods built on it, as specdec bench "
+                   "--draft (e.g. smollm2-eagle)")
     p.add_argument("--linear", default="auto", help="the target's linear kernel, as specdec bench --linear")
     p.add_argument("--prompt-attention", default=model_mod.PROMPT_ATTENTION, choices=["sdpa", "kernel"],
                    help="specdec.model.PROMPT_ATTENTION: how prompts on an empty cache attend")
@@ -49,7 +51,8 @@ def main() -> None:
     torch.set_num_threads(1)
     model_mod.ROW_PREFILL_MIN = args.row_min
     model_mod.PROMPT_ATTENTION = args.prompt_attention
-    dec = SpecDecoder("smollm2", dtype=args.dtype, compile="off", linear=args.linear)
+    dec = SpecDecoder("smollm2", draft=args.draft.split(",") if args.draft else None, dtype=args.dtype, compile="off",
+                      linear=args.linear)
     prompts = read_prompts(args.prompts, TokenizerEncoder(dec.tokenizer))
     ids = [q.ids for q in prompts[args.group * args.batch:(args.group + 1) * args.batch]]
     lens = [len(x) for x in ids]
@@ -63,7 +66,8 @@ def main() -> None:
             seconds = time.perf_counter() - t0
         if args.profile:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-        print(json.dumps({"group": args.group, "method": method, "row_min": args.row_min, "linear": args.linear,
+        print(json.dumps({"group": args.group, "method": method, "draft": args.draft, "row_min": args.row_min,
+                          "linear": args.linear,
                           "prompt_attention": args.prompt_attention,
                           "prompt_sdpa_applies": model_mod._prompt_sdpa(dec.runner.device.type),
                           "wide_tree_sdpa": model_mod.WIDE_TREE_SDPA,
