@@ -20,11 +20,12 @@ import argparse
 import copy
 import json
 import math
-import platform
 import time
 from dataclasses import dataclass
 
 import torch
+
+from specdec.bench_summary import cpu_name
 
 DEV_PROMPTS = "bench/dev_prompts.jsonl"
 RAW = argparse.RawDescriptionHelpFormatter
@@ -100,16 +101,6 @@ class DecodeTotals:
 
     def per_step_ms(self, seconds: float) -> float:
         return 1e3 * seconds / max(1, self.steps)
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def finish(out: dict, path: str | None, show: bool = False) -> None:

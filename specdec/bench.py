@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from specdec import methods
 from specdec.api import SpecDecoder, hf_generate
-from specdec.bench_summary import format_table, summarize
+from specdec.bench_summary import cpu_name, format_table, summarize
 from specdec.draft_models import is_feature_draft
 from specdec.methods import parse_label
 from specdec.prompts import Prompt, read_prompts
@@ -153,5 +153,5 @@ def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int,
         "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
         "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "machine": platform.machine(),
+        "python": platform.python_version(), "machine": platform.machine(), "cpu": cpu_name(),
     }

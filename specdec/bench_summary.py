@@ -4,6 +4,31 @@ Kept apart from :mod:`specdec.bench` so that a bench run in another environment 
 :mod:`specdec.integrations.vllm_bench`) writes the same summary without loading specdec's engine."""
 from __future__ import annotations
 
+import platform
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the matrix instructions that set its bf16 speed, e.g. ``AMD EPYC (AVX-512 BF16, no
+    AMX)``: bench files record it, since runs on other CPUs are not comparable."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if "model name" in fields and "flags" in fields:
+                    break
+    except OSError:
+        pass
+    name, flags = fields.get("model name") or platform.processor() or platform.machine(), set(fields.get("flags", "").split())
+    if not flags:
+        return name
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    if "avx512_bf16" in flags:
+        isa += " BF16"
+    return f"{name} ({isa}, {'AMX' if 'amx_tile' in flags else 'no AMX'})"
+
+
 def add_counters(a, b):
     """Nested dicts of numbers added key by key (drafter summaries of several generations)."""
     if isinstance(a, dict) and isinstance(b, dict):

@@ -12,7 +12,6 @@ import copy
 import json
 import math
 import os
-import platform
 import random
 import shlex
 import sys
@@ -32,12 +31,9 @@ def describe_device(device: str) -> str:
     """``cuda (NVIDIA H100 80GB HBM3)`` or ``cpu (model name, N cores)``."""
     if str(device).startswith("cuda"):
         return f"cuda ({torch.cuda.get_device_name(torch.device(device))})"
-    name = platform.processor() or "cpu"
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"cpu ({name}, {os.cpu_count()} cores)"
+    from specdec.bench_summary import cpu_name
+
+    return f"cpu ({cpu_name()}, {os.cpu_count()} cores)"
 
 
 def held_out_split(ids_by_category: dict[str, list[str]], share: float, seed: int) -> set[str]:

@@ -241,7 +241,7 @@ def run(args) -> dict:
     import torch
     import vllm
 
-    from specdec.bench_summary import summarize
+    from specdec.bench_summary import cpu_name, summarize
 
     config = {"engine": "vllm", "vllm": vllm.__version__, "specdec_compile": args.specdec_compile,
               "model": args.model, "dtype": args.dtype,
@@ -249,7 +249,7 @@ def run(args) -> dict:
               "num_speculative_tokens": args.k, "specdec_vllm_options": os.environ.get("SPECDEC_VLLM_OPTIONS"),
               "ld_preload": os.environ.get("LD_PRELOAD"), "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
               "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-              "python": platform.python_version(), "machine": platform.machine()}
+              "python": platform.python_version(), "machine": platform.machine(), "cpu": cpu_name()}
     return {"config": config, "runs": runs, "summary": summarize(runs, reference="vllm")}
 
 
