@@ -26,6 +26,7 @@ import torch
 
 import specdec.model as model_mod
 from specdec.api import SpecDecoder
+from specdec.bench_summary import cpu_name
 from specdec.methods import parse_label
 from specdec.prompts import TokenizerEncoder, read_prompts
 
@@ -74,8 +75,9 @@ def main() -> None:
                           "attention_direct_rows": os.environ.get("SPECDEC_ATTENTION_DIRECT_ROWS"), "prompt_tokens": sum(lens),
                           "padded_tokens": len(lens) * max(lens), "new_tokens": sum(len(t) for t in res.tokens),
                           "seconds": round(seconds, 2), "prefill_seconds": round(res.stats.prefill_s, 2),
-                          "decode_steps": res.stats.steps, "tokens_per_step": round(
-                              sum(len(t) for t in res.tokens) / max(1, res.stats.steps * len(ids)), 2),
+                          "decode_steps": res.stats.steps, "tokens_per_step": round(  # per row and step it ran in
+                              sum(len(t) for t in res.tokens) / max(1, len(res.stats.accept_lengths)), 2)
+                          if res.stats.accept_lengths else 1.0, "cpu": cpu_name(),
                           "ms_per_step": round(1e3 * (seconds - res.stats.prefill_s) / max(1, res.stats.steps), 1)}))
 
 

@@ -99,9 +99,10 @@ def test_compiled_ragged_batch(compiled_decoder):
             assert toks == hf_generate(compiled_decoder.model, p, 25, GREEDY), method
 
 
-def test_compiled_draft_runner_sd():
-    """sd with both runners compiled (target and draft) stays lossless."""
-    from tests.test_greedy_lossless import perturbed
+def test_compiled_draft_runner_sd(monkeypatch):
+    """sd with both runners compiled (target and draft) stays lossless, also as finished rows leave the batch
+    (both caches shrink under the compiled graphs)."""
+    from tests.test_greedy_lossless import check_rows_leave, perturbed
 
     target = tiny_model("llama")
     dec = SpecDecoder(target, draft=perturbed(target, 0.6), compile=True)
@@ -112,3 +113,4 @@ def test_compiled_draft_runner_sd():
         assert out.tokens[0] == hf_generate(target, prompt, 40, GREEDY)
         accepted += out.stats.accepted_tokens
     assert accepted > 0
+    check_rows_leave(dec, "sd", {"draft_length": 3}, monkeypatch, sampled=False)

@@ -101,11 +101,15 @@ def test_finished_rows_leave_the_batch(arch, method, opts, monkeypatch):
     down to one, and every row is still its own greedy output; twice on one decoder (the second generation
     reuses the buffers the first shrank); sampled rows end as they should. A draft model's cache and a stop
     rule's state leave with their rows."""
-    check_rows_leave(decoder(arch), method, opts, monkeypatch)
+    check_rows_leave(decoder(arch), method, opts, monkeypatch, same_drafts=method == "sd")
 
 
-def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sampled: bool = True) -> None:
-    """:func:`test_finished_rows_leave_the_batch` for decoder ``dec`` and ``method`` with ``opts``."""
+def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sampled: bool = True,
+                     same_drafts: bool = False) -> None:
+    """:func:`test_finished_rows_leave_the_batch` for decoder ``dec`` and ``method`` with ``opts``. ``same_drafts``
+    (methods whose drafts do not depend on timings): the rows still generating draft and accept exactly what they do
+    when finished rows stand still, so no row's draft state (cache, stop rule) went to another row."""
+    import specdec.decoding
     from specdec.model import ModelRunner
 
     rows, decoding = [], [False]  # rows of each forward after the prompt's (calibrations run before it)
@@ -139,6 +143,16 @@ def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sam
             assert rows[0] == sum(len(r) > 1 for r in refs) and rows[-1] == 1
         else:  # the first step verifies every row
             assert rows[0] == len(prompts)
+    if same_drafts:  # from the same start: what methods learn across calls (DISCO's calibration) forgotten
+        dec.reset_learned()
+        out = dec.generate_ids(prompts, method, 24, GREEDY, **opts)
+        dec.reset_learned()
+        with monkeypatch.context() as m:
+            m.setattr(specdec.decoding, "_leave_batch", lambda live, done, *holders: (live, None))
+            still = dec.generate_ids(prompts, method, 24, GREEDY, **opts)
+        assert still.tokens == refs and set(rows) == {len(prompts)}
+        assert (out.stats.drafted_tokens, out.stats.accepted_tokens) == (still.stats.drafted_tokens,
+                                                                         still.stats.accepted_tokens) != (0, 0)
     if sampled:
         for toks in dec.generate_ids(prompts, method, 24, SamplingConfig(temperature=1.0, seed=3), **opts).tokens:
             ends = [i for i, t in enumerate(toks) if t in eos]

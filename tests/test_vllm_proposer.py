@@ -162,11 +162,29 @@ def test_requests_keep_their_history_when_vllm_moves_their_rows(monkeypatch):
             reqs[q] += sampled[q]
         rows = rows[1:] + rows[:1] if step % 2 == 0 else rows[::-1]  # vLLM moves the requests around
     assert p.stats["accepted"] == 5 * 4, p.stats  # steps 1-5 each learned request 0's 4 accepted tokens
-    # a request new to request 0's row, at request 0's old length but with other tokens, starts afresh
-    other = [3] * len(reqs[0])
+    # a request new to request 0's row, as long as request 0 was at its last draft but with other tokens, starts afresh
+    other = [3] * (len(reqs[0]) - len(sampled[0]) + 1)
     ids, n = batch([other], max_model_len=256)
     p.propose([[3]], n, ids)
     assert p._outcome == {}
+
+
+def test_identical_requests_share_their_history(monkeypatch):
+    """One prompt twice (greedy): both requests have one key at every step, draft alike and both learn."""
+    monkeypatch.delenv("SPECDEC_VLLM_OPTIONS", raising=False)
+    p = PromptLookupProposer(vllm_config(k=4, max_model_len=256))
+    p.cost = LinearStepCost(explore_every=0)
+    monkeypatch.setattr(p.cost, "observe", lambda *a: None)
+    reqs = [[5, 6, 7, 8] * 3, [5, 6, 7, 8] * 3]
+    sampled = [[8], [8]]
+    for _ in range(4):
+        ids, n = batch(reqs, max_model_len=256)
+        out = p.propose(sampled, n, ids)
+        assert out[0] == out[1] and len(out[0]) == 4
+        sampled = [d + [[5, 6, 7, 8][len(r) % 4]] for d, r in zip(out, reqs)]  # every draft token accepted
+        for r, s in zip(reqs, sampled):
+            r += s
+    assert p.stats["accepted"] == 2 * 3 * 4 and p._outcome == {0: 3, 1: 3}
 
 
 def test_bench_labels_carry_proposer_options(monkeypatch):

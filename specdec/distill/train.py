@@ -28,12 +28,12 @@ from specdec.distill.vocab import count_tokens, coverage, select_vocab
 
 
 def describe_device(device: str) -> str:
-    """``cuda (NVIDIA H100 80GB HBM3)`` or ``cpu (model name, N cores)``."""
+    """``cuda (NVIDIA H100 80GB HBM3)`` or ``cpu: model name (instructions), N cores``."""
     if str(device).startswith("cuda"):
         return f"cuda ({torch.cuda.get_device_name(torch.device(device))})"
     from specdec.bench_summary import cpu_name
 
-    return f"cpu ({cpu_name()}, {os.cpu_count()} cores)"
+    return f"cpu: {cpu_name()}, {os.cpu_count()} cores"
 
 
 def held_out_split(ids_by_category: dict[str, list[str]], share: float, seed: int) -> set[str]:

@@ -101,13 +101,16 @@ class StopRule:
     prefix only, which keeps verification exact). ``update`` learns from each step's outcome.
     """
 
-    keeps_rows: bool = True  # implements keep_rows (this default suits a rule with no per-row state)
+    keeps_rows: bool = False  # implements keep_rows: finished rows may then leave the batch
 
     def begin(self, batch_size: int, state: DecodeState | None = None) -> None:
         """A new generation of ``batch_size`` rows starts (``state``: its prompts and first tokens)."""
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Finished rows left the batch: keep the per-row state of ``rows`` (ascending batch indices) only."""
+        """Finished rows left the batch: keep the per-row state of ``rows`` (ascending batch indices) only.
+        Called only where :attr:`keeps_rows`; this default suits a rule with no per-row state."""
+        if not self.keeps_rows:
+            raise NotImplementedError(f"{type(self).__name__} keeps its rows")
 
     def keep_going(self, depth: int, logits: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError

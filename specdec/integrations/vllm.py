@@ -95,8 +95,9 @@ class _ChainProposer:
         self.acceptance = AcceptanceModel()
         self.cost = LinearStepCost()
         # request_key -> (drafted, signal, outcome) of the request's draft last step; None where two requests
-        # had one key (they then learn nothing that step)
+        # with one key drafted differently (neither learns from that step)
         self._last: dict[tuple[int, int], tuple[int, int, int] | None] = {}
+        self._last_rows = 0  # requests that drafted last step
         self._last_tokens = 0  # tokens the previous step verified (its rows' 1 + drafts)
         self._last_end: float | None = None
         self.stats = {"steps": 0, "rows": 0, "proposed": 0, "drafted": 0, "accepted": 0}
@@ -138,7 +139,7 @@ class _ChainProposer:
         self._outcome = outcome
         # Time only steps that verified exactly the rows drafted for: one that also prefilled a request
         # (a new row, or a row not decoding) costs far more than its decode tokens.
-        if self._last_end is not None and same == decoding == len(self._last) == len(sampled_token_ids) > 0:
+        if self._last_end is not None and same == decoding == self._last_rows == len(sampled_token_ids) > 0:
             self.cost.observe(self._last_tokens, now - self._last_end)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
@@ -156,7 +157,7 @@ class _ChainProposer:
         out: list[list[int]] = [[] for _ in range(b)]
         lens_all = np.asarray(num_tokens_no_spec[:b], dtype=np.int64)
         rows = [i for i in range(b) if sampled_token_ids[i] and 0 < lens_all[i] < self.max_model_len]
-        self._last = {}
+        self._last, self._last_rows = {}, len(rows)
         if rows:
             lens = lens_all[rows]
             width = int(lens.max())
@@ -177,8 +178,9 @@ class _ChainProposer:
             draft_rows = drafts.tolist()
             for j, row in enumerate(rows):
                 out[row] = draft_rows[j][: drafted[j]]
-                key = self.request_key(token_ids_cpu, row, int(lens[j]))
-                self._last[key] = None if key in self._last else (drafted[j], signals[j], self._outcome.get(row, 0))
+                key, entry = self.request_key(token_ids_cpu, row, int(lens[j])), (drafted[j], signals[j], self._outcome.get(row, 0))
+                # identical requests (one prompt twice, greedy) draft alike and share their entry
+                self._last[key] = entry if self._last.get(key, entry) == entry else None
             self.stats["steps"] += 1
             self.stats["rows"] += len(rows)
             self.stats["proposed"] += sum(drafted)

@@ -171,6 +171,8 @@ class DiscoStop(StopRule):
     :class:`~specdec.policies.StepCost`). The depth cap is the budget's (the policy's maximum length).
     """
 
+    keeps_rows = True  # keep_rows moves the rows' positions
+
     def __init__(self, classifier: DiscoClassifier, mode: str = "paper", threshold: float | None = None,
                  calibration: PlattCalibration | None = None, cost=None, draft_seconds: float | None = None):
         if mode not in ("paper", "cost"):
@@ -194,7 +196,8 @@ class DiscoStop(StopRule):
         self._last_call = None
 
     def keep_rows(self, rows: list[int]) -> None:
-        self._position = [self._position[r] for r in rows]  # the step's logits were consumed by update
+        # update() consumed the step's logits; _start and _reach are rebuilt at the next step's first token
+        self._position = [self._position[r] for r in rows]
 
     def keep_going(self, depth: int, logits: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         now = time.perf_counter()
@@ -274,6 +277,8 @@ class OracleStop(StopRule):
     target's own greedy continuation (``references``: prompt tuple -> the new tokens ``ar`` produced),
     as the paper's oracle does. It reads the reference, so it is no method, only the bound a learned
     stop rule could reach."""
+
+    keeps_rows = True  # keep_rows moves the rows' references and positions
 
     def __init__(self, references: dict[tuple[int, ...], list[int]]):
         self.references = references

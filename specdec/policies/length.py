@@ -113,6 +113,8 @@ class ConfidenceStop(StopRule):
     """Stop a row's draft once the draft's top-1 probability falls below ``threshold`` (transformers'
     ``assistant_confidence_threshold``): a draft unsure of its token is unlikely to be accepted."""
 
+    keeps_rows = True  # no per-row state: the default keep_rows
+
     def __init__(self, threshold: float):
         if not 0.0 <= threshold < 1.0:
             raise ValueError(f"confidence threshold must be in [0, 1), got {threshold}")
