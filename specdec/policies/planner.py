@@ -107,7 +107,9 @@ def prune(tree: DraftTree, cost: StepCost, active: list[bool] | None = None) -> 
     else:
         keep = best_sizes(tree.accept, tree.valid, cost, explore)
     if tree.is_chain:
-        t = 1 + max(1, max(keep))  # the root and the longest kept chain (one slot at least, as before planning)
+        # The root and the longest kept chain: a step where no row drafts is a one-token step (in a batch, a
+        # padded draft slot costs every row a token: 1.76x a one-token step over 16 rows on an AVX-512 EPYC).
+        t = 1 + max(keep, default=0)
         cut = torch.arange(t, device=tree.tokens.device)[None] > torch.tensor(keep, device=tree.tokens.device)[:, None]
         probs = None
         if tree.draft_probs is not None:
