@@ -30,6 +30,8 @@ class DraftModelDrafter(Drafter):
     vocabulary, mapped back to target ids.
     """
 
+    keeps_rows = True  # keep_rows moves its per-row state: the draft cache and its lengths
+
     def __init__(self, runner: ModelRunner, sampling: SamplingConfig, proposal_topk: int = 64):
         if proposal_topk < 1:
             raise ValueError(f"proposal_topk must be >= 1, got {proposal_topk}")
@@ -44,8 +46,6 @@ class DraftModelDrafter(Drafter):
         self._mode = model.reduced_logits if self.vocab_map is not None else contextlib.nullcontext
         self.target_vocab = model.config.get_text_config().vocab_size
         self.margin = 8  # cache room past the longest sequence (a drafter growing trees in the pending region needs more)
-
-    keeps_rows = True  # its per-row state: the draft cache and the host mirror of its lengths
 
     def max_tree_size(self, depth: int) -> int:
         return 1 + depth

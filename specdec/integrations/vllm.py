@@ -178,7 +178,8 @@ class _ChainProposer:
             draft_rows = drafts.tolist()
             for j, row in enumerate(rows):
                 out[row] = draft_rows[j][: drafted[j]]
-                key, entry = self.request_key(token_ids_cpu, row, int(lens[j])), (drafted[j], signals[j], self._outcome.get(row, 0))
+                key = self.request_key(token_ids_cpu, row, int(lens[j]))
+                entry = (drafted[j], signals[j], self._outcome.get(row, 0))
                 # identical requests (one prompt twice, greedy) draft alike and share their entry
                 self._last[key] = entry if self._last.get(key, entry) == entry else None
             self.stats["steps"] += 1
