@@ -52,9 +52,8 @@ class StaticLength:
         return self.stop is None or getattr(self.stop, "keeps_rows", False)
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Finished rows left the batch: keep ``rows`` (ascending batch indices) only."""
-        if not self.keeps_rows:
-            raise NotImplementedError(f"{type(self.stop).__name__} keeps its rows")
+        """Finished rows left the batch: keep ``rows`` (ascending batch indices) only (a stop rule that keeps its
+        rows refuses, :meth:`StopRule.keep_rows`)."""
         if self.stop is not None:
             self.stop.keep_rows(rows)
 
