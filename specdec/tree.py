@@ -93,7 +93,9 @@ class DraftTree:
     draft_probs: :class:`SparseProbs` ``[B,T,K]``, the proposal distribution of every node (None for
     deterministic drafts; the root's row is all zero). :attr:`mask` is derived on first use. accept: ``[B,T]`` float, the drafter's estimate
     that each node is accepted (reached) given the root, or None; a planner prunes by it
-    (:func:`specdec.policies.prune`), whatever source each node came from.
+    (:func:`specdec.policies.prune`), whatever source each node came from. origin: ``[B,T] int64``, each node's
+    index in the tree its drafter proposed, set where a planner cut that tree (:meth:`select`), else None (the
+    nodes are the drafter's own): a drafter that keeps per-node bookkeeping maps it through this.
     """
 
     tokens: torch.Tensor
@@ -104,6 +106,7 @@ class DraftTree:
     draft_probs: SparseProbs | None = None
     _mask: torch.Tensor | None = field(default=None, repr=False)
     accept: torch.Tensor | None = None
+    origin: torch.Tensor | None = None
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -240,13 +243,14 @@ class DraftTree:
         """The subtree of the nodes in ``keep`` ``[B,T] bool`` (closed under parents; the root is always kept).
 
         Kept nodes keep their relative order. Returns the subtree and ``[B,T']`` the old index of
-        every new node (0 at padding).
+        every new node (0 at padding); the subtree's :attr:`origin` maps its nodes to the proposed tree's.
         """
         tokens, parents, valid, old = kernels.reference.subtree(self.tokens, self.parents, self.valid, keep)
         probs = None if self.draft_probs is None else _node_probs(self.draft_probs, torch.where(valid, old, -1))
         tree = DraftTree.from_parents(tokens, parents, valid, probs, check=False)
         if self.accept is not None:
             tree.accept = self.accept.gather(1, old)
+        tree.origin = old if self.origin is None else self.origin.gather(1, old)
         return tree, old
 
     def positions(self, cache_lens: torch.Tensor) -> torch.Tensor:

@@ -201,3 +201,55 @@ def test_from_drafts_builds_trie_and_forest(b, k, w, vocab, seed):
                     assert len(kids) >= 1
                     node = min(kids, key=lambda j: int(of[r, j]) if int(of[r, j]) == i else 10**6 + j)
                     assert int(of[r, node]) <= i
+
+
+def _set_rates(acceptance: NodeAcceptance, rates: dict[int, float], default: float) -> None:
+    """Make ``acceptance`` estimate ``rates[cell]`` for the listed cells and ``default`` elsewhere."""
+    r = torch.full_like(acceptance.proposed, default)
+    for cell, p in rates.items():
+        r[cell] = p
+    acceptance.accepted = r * acceptance.proposed
+    acceptance._rates = None
+
+
+def test_a_batch_is_cut_to_one_width_and_learns_from_the_nodes_it_kept():
+    from specdec.drafters.base import DecodeState
+    from specdec.drafters.ngrammys import NGrammysDrafter
+    from specdec.policies import prune
+
+    k, w, levels = 4, 3, NodeAcceptance.SUPPORT
+    cell = lambda source, rank, depth, support: ((source * k + rank) * w + depth) * levels + support  # noqa: E731
+    no_match = [1, 2, 3, 4, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # no token repeats: no context draft
+    n = len(REPETITIVE)
+    # REPETITIVE drafts 7 9 5 (its 4-token suffix match, source 4) and 7 8 5 (its q-match, source 1), sharing 7.
+    seven, eight = cell(4, 0, 0, 1), cell(1, 0, 1, 0)
+
+    # Alone, the shared 7 (0.9) pays for a 1.5x step: (1 + 0.9) / 1.5 > 1. With a second row that drafts
+    # nothing the batch would pay 1.5x for 0.9 tokens more: (2 + 0.9) / 1.5 < 2, so no row drafts.
+    cost = StepCost({1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5, 16: 9.0}, explore_every=0)
+    acceptance = NodeAcceptance(k, w)
+    _set_rates(acceptance, {seven: 0.9}, 0.01)
+    drafter = NGrammysDrafter(None, k=k, w=w, strategy="context", acceptance=acceptance)
+    alone = DecodeState(torch.tensor([REPETITIVE]), torch.tensor([n]), [n])
+    assert drafter.propose(alone, Budget.static(1, w, cost)).tokens[0, 1:].tolist() == [7]
+    seq = torch.tensor([REPETITIVE, no_match])
+    both = DecodeState(seq, torch.tensor([n, len(no_match)]), [n, len(no_match)])
+    assert prune(drafter.propose(both, Budget.static(2, w, cost)), cost).size == 1
+
+    # Two rows that both draft, where 7 and 8 (0.8) pay and 9 (0.01) does not: the cut keeps nodes 0, 1 and 4
+    # of the proposed trie (7 9 5 8 5), and what the drafter learns is about 7 and 8, not about the nodes
+    # that sit at the cut tree's places 1 and 2 in the proposed one (7 and 9).
+    cost = StepCost({1: 1.0, 2: 1.2, 3: 1.4, 4: 3.0, 16: 20.0}, explore_every=0)
+    _set_rates(acceptance, {seven: 0.9, eight: 0.8}, 0.01)
+    drafter = NGrammysDrafter(None, k=k, w=w, strategy="context", acceptance=acceptance)
+    twice = DecodeState(torch.tensor([REPETITIVE, REPETITIVE]), torch.tensor([n, n]), [n, n])
+    proposed = drafter.propose(twice, Budget.static(2, w, cost))
+    assert proposed.tokens[0, 1:].tolist() == [7, 9, 5, 8, 5]
+    tree = prune(proposed, cost)
+    assert tree.tokens.tolist() == [[6, 7, 8]] * 2 and tree.origin.tolist() == [[0, 1, 4]] * 2
+    before = acceptance.proposed.clone()
+    path = torch.tensor([[0, 1, 2]] * 2)
+    drafter.update(twice, tree, path, [3, 3], [2, 2])
+    counted = (acceptance.proposed - before).nonzero().flatten().tolist()
+    assert counted == sorted([seven, eight]) and (acceptance.proposed - before)[counted].tolist() == [2.0, 2.0]
+    assert drafter.allocation["context_accepted"] == 4

@@ -48,8 +48,10 @@ class NGrammysDrafter(Drafter):
     longest-suffix matches of up to ``n_max`` tokens ranked first (``n_max <= q`` turns that tier off).
 
     With ``acceptance`` (a per-cell acceptance table, :class:`specdec.policies.NodeAcceptance`, learned
-    here) and a budget that carries the step cost, each row's tree is pruned to the nodes that pay for
-    their verification cost; otherwise all ``k x w`` drafts are verified (the paper's static schedule).
+    here) and a budget that carries the step cost, the trees are pruned to the nodes that pay for their
+    verification cost: one row's here, a batch's to one width for all rows by the decode loop's planner
+    (:func:`specdec.policies.prune`, from the nodes' ``DraftTree.accept``); otherwise all ``k x w`` drafts are
+    verified (the paper's static schedule).
 
     ``strategy``: ``mixed`` (context first, bigram fills the rest), ``context`` or ``bigram`` only;
     ``corpus`` and ``c``: up to ``c`` corpus drafts per step (not with ``bigram``). ``support``: the
@@ -190,9 +192,16 @@ class NGrammysDrafter(Drafter):
         cells = ((self._slot_source * self.k + self._slot_rank) * self.w)[:, :, None] + torch.arange(w, device=dev)
         cells = cells * SUPPORT_LEVELS + (support_level(drafts) if self.support else 0)
         accept = self.acceptance.rates(dev)[cells]  # [B,k,w]
-        cost = torch.tensor(budget.cost.costs(self.k * w + 1), device=dev)
-        tree, self._chain_of_node, slot = DraftTree.from_drafts(state.roots, drafts, merge, accept, cost,
-                                                                int(budget.cost.explore()))
+        if b == 1:
+            cost = torch.tensor(budget.cost.costs(self.k * w + 1), device=dev)
+            tree, self._chain_of_node, slot = DraftTree.from_drafts(state.roots, drafts, merge, accept, cost,
+                                                                    int(budget.cost.explore()))
+        else:
+            # Rows share one forward as wide as the widest row, so the cut is the batch's: the whole tree goes
+            # to the decode loop's planner with its estimates (cut row by row, one row's likely node would make
+            # every row pay a wider step). update() finds its nodes again through the cut tree's origin.
+            tree, self._chain_of_node, slot = DraftTree.from_drafts(state.roots, drafts, merge)
+            tree.accept = reach_estimates(tree, accept.reshape(b, -1), slot)
         self._slot = cells.reshape(b, -1).gather(1, slot.clamp(min=0))  # [B,T] cell of each node
         return tree
 
@@ -200,11 +209,15 @@ class NGrammysDrafter(Drafter):
                drafted: list[int]) -> None:
         if self._chain_of_node is None:
             return
+        chain_of_node, slot_of_node = self._chain_of_node, self._slot
+        if tree.origin is not None:  # the decode loop cut the proposed tree: index the bookkeeping by its nodes
+            chain_of_node = chain_of_node.gather(1, tree.origin)
+            slot_of_node = None if slot_of_node is None else slot_of_node.gather(1, tree.origin)
         # Bookkeeping over a few nodes per row, on the host after one transfer: a dozen small torch ops
         # here cost ~0.4 ms per step right after a forward (cold caches), the host loop ~0.05 ms.
-        parts = [path, self._chain_of_node, self._slot_source]
-        if self._slot is not None:
-            parts += [self._slot, tree.valid.long()]
+        parts = [path, chain_of_node, self._slot_source]
+        if slot_of_node is not None:
+            parts += [slot_of_node, tree.valid.long()]
         t, k = path.shape[1], self._slot_source.shape[1]
         n_src = num_sources(self.q, self.n_max)
         slots = self.k if self.verify != "chain" else 1
@@ -214,7 +227,7 @@ class NGrammysDrafter(Drafter):
             if n == 0:  # a finished row
                 continue
             row_path, chain, source = row[:n], row[t: 2 * t], row[2 * t: 2 * t + k]
-            if self._slot is not None:  # every verified draft node: its cell, and whether it was accepted
+            if slot_of_node is not None:  # every verified draft node: its cell, and whether it was accepted
                 slot, valid = row[2 * t + k: 3 * t + k], row[3 * t + k:]
                 on_path = set(row_path)
                 for node in range(1, t):
@@ -235,6 +248,21 @@ class NGrammysDrafter(Drafter):
 
     def summary(self) -> dict:
         return {"allocation": dict(self.allocation)}
+
+
+def reach_estimates(tree: DraftTree, accept: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``[B,T] fp32``: the estimate that each node of ``tree`` is reached, as :func:`specdec.kernels.draft_tree`
+    prunes by: the acceptance of its first chain's cell, capped by its parent's (a child is never likelier);
+    1 at the root, 0 at padding.
+
+    tree: built by :meth:`DraftTree.from_drafts` without pruning; accept: ``[B, k*w]`` the estimate of cell
+    ``i * w + d``; slot: ``[B,T]`` each node's cell (-1 at the root and padding), as ``from_drafts`` returns."""
+    p = torch.where(tree.valid, accept.float().gather(1, slot.clamp(min=0)), 0.0)
+    p[:, 0] = 1.0
+    parents = tree.parents.clamp(min=0)
+    for _ in range(int(tree.depth.max())):
+        p = torch.minimum(p, p.gather(1, parents))
+    return p
 
 
 def support_level(drafts: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,7 @@ def prune(tree: DraftTree, cost: StepCost, active: list[bool] | None = None) -> 
         # one-row slice counts as contiguous while keeping its parent's row stride.
         fresh = lambda x: x[:, :t].clone(memory_format=torch.contiguous_format)  # noqa: E731
         return DraftTree(fresh(tree.tokens), fresh(tree.parents), tree.valid[:, :t] & ~cut, fresh(tree.depth), True,
-                         probs, accept=tree.accept[:, :t])
+                         probs, accept=tree.accept[:, :t], origin=None if tree.origin is None else tree.origin[:, :t])
     return tree.select((_rank(tree) <= torch.tensor(keep, device=tree.tokens.device)[:, None]) & tree.valid)[0]
 
 
@@ -143,5 +143,5 @@ def cap_nodes(tree: DraftTree, max_nodes: list[int]) -> DraftTree:
     if tree.is_chain:
         cut = torch.arange(tree.size, device=tree.tokens.device)[None] > limit
         return DraftTree(tree.tokens, tree.parents, tree.valid & ~cut, tree.depth, True, tree.draft_probs,
-                         accept=tree.accept)
+                         accept=tree.accept, origin=tree.origin)
     return tree.select((_rank(tree) <= limit) & tree.valid)[0]
