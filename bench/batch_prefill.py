@@ -75,6 +75,7 @@ def main() -> None:
                           "attention_direct_rows": os.environ.get("SPECDEC_ATTENTION_DIRECT_ROWS"), "prompt_tokens": sum(lens),
                           "padded_tokens": len(lens) * max(lens), "new_tokens": sum(len(t) for t in res.tokens),
                           "seconds": round(seconds, 2), "prefill_seconds": round(res.stats.prefill_s, 2),
+                          "target_seconds": round(res.stats.target_s, 2), "draft_seconds": round(res.stats.draft_s, 2),
                           "decode_steps": res.stats.steps, "tokens_per_step": round(  # per row and step it ran in
                               sum(len(t) for t in res.tokens) / max(1, len(res.stats.accept_lengths)), 2)
                           if res.stats.accept_lengths else 1.0, "cpu": cpu_name(),
