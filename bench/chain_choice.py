@@ -9,9 +9,10 @@ Rules, all from the same N-Grammys drafts (:class:`specdec.drafters.ngrammys.NGr
 drafts per step from context matches, the n-gram corpus and the bigram table):
 
 - ``pld``: the continuation of the longest earlier suffix match of 1-4 tokens (``vllm-specdec-pld``'s chain);
-- ``first``: the first draft in the drafter's order (``vllm-specdec-ngrammys``'s chain);
+- ``first``: the first draft in the drafter's order (``vllm-specdec-ngrammys:slots=1``'s chain);
 - ``best``: the root-to-leaf path of the drafts' trie with the most expected accepted tokens, by the drafter's
-  per-node estimates (:class:`specdec.policies.NodeAcceptance`, learned online from the chains verified);
+  per-node estimates learned online from the chains verified (:func:`specdec.drafters.ngrammys.best_chain`,
+  ``vllm-specdec-ngrammys``'s chain since it was measured here);
 - ``best-history``: ``best`` with estimates kept per outcome of the request's own last chain (none yet,
   rejected, partly or wholly accepted), as the vLLM proposers keep theirs;
 - ``oracle``: whichever draft the reply accepts longest (no rule choosing among these drafts does better);
@@ -28,7 +29,7 @@ import json
 import torch
 
 from specdec.drafters.base import OUTCOMES, DecodeState, last_outcome
-from specdec.drafters.ngrammys import SUPPORT_LEVELS, NGrammysDrafter, reach_estimates, support_level
+from specdec.drafters.ngrammys import NGrammysDrafter, best_chain
 from specdec.kernels import ngram_match
 from specdec.policies import NodeAcceptance
 from specdec.tree import DraftTree
@@ -44,23 +45,6 @@ def accepted_prefix(draft: list[int], reply: list[int]) -> int:
             break
         n += 1
     return n
-
-
-def best_path(tree: DraftTree, reach: torch.Tensor) -> list[int]:
-    """Row 0's root-to-leaf path (node indices, root excluded) with the largest sum of ``reach [1,T]``."""
-    parents, valid, r = tree.parents[0].tolist(), tree.valid[0].tolist(), reach[0].tolist()
-    total = [0.0] * len(parents)
-    best, best_node = 0.0, 0
-    for i in range(1, len(parents)):  # a parent precedes its children
-        if valid[i]:
-            total[i] = total[parents[i]] + r[i]
-            if total[i] > best:
-                best, best_node = total[i], i
-    path = []
-    while best_node > 0:
-        path.append(best_node)
-        best_node = parents[best_node]
-    return path[::-1]
 
 
 def tree_accepted(tree: DraftTree, reply: list[int]) -> int:
@@ -106,23 +90,18 @@ def replay(records, drafter: NGrammysDrafter, tables: list[NodeAcceptance], rule
                         acc = accepted_prefix(drafts[0, 0].tolist(), reply)
                     elif rule == "oracle":
                         acc = max(accepted_prefix(x, reply) for x in drafts[0].tolist())
+                    elif rule == "tree":
+                        tree, _, _ = DraftTree.from_drafts(state.roots, drafts, True)
+                        acc = tree_accepted(tree, reply)
                     else:
-                        tree, _, slot = DraftTree.from_drafts(state.roots, drafts, True)
-                        if rule == "tree":
-                            acc = tree_accepted(tree, reply)
-                        else:
-                            kk, ww = drafter.k, drafter.w
-                            cells = ((source * kk + rank) * ww)[:, :, None] + torch.arange(w)
-                            cells = cells * SUPPORT_LEVELS + support_level(drafts)
-                            acceptance = tables[outcome if rule == "best-history" else 0]
-                            rates = acceptance.rates("cpu")[cells].reshape(1, -1)
-                            path = best_path(tree, reach_estimates(tree, rates, slot))
-                            toks = tree.tokens[0, path].tolist()
-                            acc = accepted_prefix(toks, reply)
-                            node_cells = cells.reshape(1, -1)[0, slot[0, path].clamp(min=0)]
-                            if path:
-                                acceptance.update(node_cells, torch.arange(len(path)) < acc)
-                            outcome = last_outcome(len(path), acc, outcome)
+                        acceptance = tables[outcome if rule == "best-history" else 0]
+                        chain, _, cells = best_chain(state.roots, drafts, source, rank, drafter.w,
+                                                     acceptance.rates("cpu"))
+                        n = int((chain[0] >= 0).sum())
+                        acc = accepted_prefix(chain[0].tolist(), reply)
+                        if n:
+                            acceptance.update(cells[0, :n], torch.arange(n) < acc)
+                        outcome = last_outcome(n, acc, outcome)
             calls += 1
             emitted += acc + 1
             per_category.setdefault(rec.category, [0, 0])
@@ -144,14 +123,14 @@ def main() -> None:
     args = p.parse_args()
     from specdec.api import SpecDecoder
     from specdec.distill.corpus import Corpus
-    from specdec.methods import NGRAMMYS_CORPUS_SLOTS
+    from specdec.drafters.ngrammys import CORPUS_SLOTS
 
     torch.set_num_threads(1)
     dec = SpecDecoder(args.model, dtype="bf16", compile="off")
     corpus = Corpus.load(args.replies)
     records = [r for s in corpus.shards("reply") if s["sampling"]["temperature"] == 0 for r in corpus.read(s["name"])]
     ngram_corpus = dec.ngram_corpus()
-    c = min(NGRAMMYS_CORPUS_SLOTS, args.slots) if ngram_corpus is not None else 0
+    c = min(CORPUS_SLOTS, args.slots) if ngram_corpus is not None else 0
     out = {"config": {"replies": args.replies, "k": args.k, "slots": args.slots, "corpus_slots": c,
                       "records": len(records)}, "rules": {}}
     for rule in args.rules.split(","):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -25,11 +26,13 @@ def main() -> None:
     p.add_argument("--context", type=int, default=3000)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    p.add_argument("--ngrammys-options", default="", help="SPECDEC_VLLM_OPTIONS for NGrammysProposer alone "
+                   "(JSON, e.g. '{\"slots\": 1}')")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
     from specdec.hub import resolve
-    from specdec.integrations.vllm import NGrammysProposer, PromptLookupProposer
+    from specdec.integrations.vllm import OPTIONS_ENV, NGrammysProposer, PromptLookupProposer
     from specdec.prompts import TokenizerEncoder, read_prompts
 
     torch.set_num_threads(1)
@@ -42,8 +45,10 @@ def main() -> None:
                                      get_vocab_size=lambda: vocab),
         scheduler_config=SimpleNamespace(max_num_seqs=1))
     prompts = read_prompts(args.prompts, TokenizerEncoder(tok), args.limit)
-    out = {"model": args.model, "prompts": len(prompts), "context": args.context, "k": args.k, "ms": {}}
+    out = {"model": args.model, "prompts": len(prompts), "context": args.context, "k": args.k,
+           "ngrammys_options": args.ngrammys_options, "ms": {}}
     for cls in (PromptLookupProposer, NGrammysProposer):
+        os.environ[OPTIONS_ENV] = args.ngrammys_options if cls is NGrammysProposer else ""
         proposer = cls(config)
         buf = np.zeros((1, args.context + 1), dtype=np.int32)
         times = []

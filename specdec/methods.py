@@ -25,7 +25,7 @@ from specdec.drafters.feature_draft import FeatureDraftDrafter
 from specdec.drafters.graph_draft import SIBLINGS, GraphDrafter
 from specdec.drafters.ouroboros import ATTACH, ORDERS, SOURCES, OuroborosDrafter, PhraseRates
 from specdec.drafters.phrase_pool import PhrasePool
-from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES
+from specdec.drafters.ngrammys import CORPUS_SLOTS as NGRAMMYS_CORPUS_SLOTS, STRATEGIES, VERIFY_MODES
 from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance,
                               ProbabilityCalibration, StaticLength, StepCost)
 from specdec.policies.disco import DiscoClassifier, DiscoStop, OracleStop, PlattCalibration, draft_fingerprint
@@ -393,7 +393,6 @@ def one_thread_cost(dec) -> StepCost:
         return StepCost.calibrate(dec.runner, sizes=tuple(range(1, 10)))
 
 
-NGRAMMYS_CORPUS_SLOTS = 2  # ngrammys' default ``c`` where an n-gram corpus fits the model
 
 REGISTRY: dict[str, Method] = {}
 

@@ -253,3 +253,28 @@ def test_a_batch_is_cut_to_one_width_and_learns_from_the_nodes_it_kept():
     counted = (acceptance.proposed - before).nonzero().flatten().tolist()
     assert counted == sorted([seven, eight]) and (acceptance.proposed - before)[counted].tolist() == [2.0, 2.0]
     assert drafter.allocation["context_accepted"] == 4
+
+
+def test_best_chain_is_the_path_with_the_most_expected_tokens():
+    from specdec.drafters.ngrammys import best_chain
+
+    k, w, levels = 3, 3, NodeAcceptance.SUPPORT
+    cell = lambda source, rank, depth, support: ((source * k + rank) * w + depth) * levels + support  # noqa: E731
+    # row 0: 7 9 5 (a 4-token suffix match, source 4) and 7 8 5 (a last-token match, source 1), sharing 7;
+    # row 1: no draft at all
+    drafts = torch.tensor([[[7, 9, 5], [7, 8, 5], [-1] * 3], [[-1] * 3] * 3])
+    source = torch.tensor([[4, 1, 0], [0, 0, 0]])
+    rank = torch.zeros(2, k, dtype=torch.int64)
+    roots = torch.tensor([6, 6])
+    seven, nine, eight, five_after_eight = cell(4, 0, 0, 1), cell(4, 0, 1, 0), cell(1, 0, 1, 0), cell(1, 0, 2, 0)
+    acceptance = NodeAcceptance(k, w)
+    for likelier, want, owner in ((eight, [7, 8, 5], 1), (nine, [7, 9, 5], 0)):
+        _set_rates(acceptance, {seven: 0.9, likelier: 0.8}, 0.01)
+        chain, owners, cells = best_chain(roots, drafts, source, rank, w, acceptance.rates("cpu"))
+        assert chain.tolist() == [want, [-1] * 3] and owners.tolist() == [owner, 0]
+        assert cells[1].tolist() == [-1] * 3
+        if owner == 1:  # a node's cell is its first draft's: 7's is the suffix match's
+            assert cells[0].tolist() == [seven, eight, five_after_eight]
+    _set_rates(acceptance, {}, 0.5)  # equal estimates: the drafter's order decides
+    chain, owners, _ = best_chain(roots[:1], drafts[:1], source[:1], rank[:1], w, acceptance.rates("cpu"))
+    assert chain.tolist() == [[7, 9, 5]] and owners.tolist() == [0]

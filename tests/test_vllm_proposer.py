@@ -61,14 +61,49 @@ def test_rows_that_do_not_decode_get_no_draft(monkeypatch):
     assert len(out) == 4
 
 
-def test_ngrammys_chain_is_the_drafters_first_slot(monkeypatch):
-    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"adaptive": False, "corpus": None, "bigram": False}))
+@pytest.mark.parametrize("slots", [1, 10])
+def test_ngrammys_chain_before_any_learning(monkeypatch, slots):
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"adaptive": False, "corpus": None, "bigram": False,
+                                                           "slots": slots}))
     p = NGrammysProposer(vllm_config(k=3))
     ids, n = batch(ROWS)
     out = p.propose([[r[-1]] for r in ROWS], n, ids)
-    assert out[0] == [8, 9, 5]  # the longest-suffix match
+    assert out[0] == [8, 9, 5]  # the longest-suffix match: the drafter's first slot, and the prior's best
     assert out[1] == [3, 1, 2]
     assert out[3] == []  # no match, no bigram table
+
+
+def test_ngrammys_chain_follows_what_vllm_accepts(monkeypatch):
+    """Two drafts every step: the longest-suffix match 1 2 3 (first in the drafter's order, and the prior's
+    favourite) and a last-token match 5 6 7. vLLM rejects the first and would accept the second whole: the
+    proposer learns per node and switches. With ``slots = 1`` it drafts the first one for good."""
+    for slots, want in ((10, [5, 6, 7]), (1, [1, 2, 3])):
+        monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"corpus": None, "bigram": False, "slots": slots}))
+        p = NGrammysProposer(vllm_config(k=3, max_model_len=256))
+        p.cost = LinearStepCost(explore_every=0)  # never fitted: every chain is drafted whole
+        monkeypatch.setattr(p.cost, "observe", lambda *a: None)
+
+        def drafts(state, w, slots=slots):
+            b = state.seq.shape[0]
+            d = torch.full((b, slots, w), -1)
+            d[:, 0] = torch.tensor([1, 2, 3])
+            if slots > 1:
+                d[:, 1] = torch.tensor([5, 6, 7])
+            source = torch.tensor([[4] + [1] * (slots - 1)]).expand(b, -1)  # a 4-token suffix match, then q-matches
+            return d, source, torch.zeros(b, slots, dtype=torch.int64)
+
+        monkeypatch.setattr(p.drafter, "drafts", drafts)
+        row = [9] * 10
+        ids, n = batch([row], max_model_len=256)
+        out = p.propose([[9]], n, ids)
+        assert out == [[1, 2, 3]]
+        for _ in range(6):
+            new = out[0] + [8] if out[0] == [5, 6, 7] else [8]  # 5 6 7 accepted whole, 1 2 3 rejected
+            row += new
+            ids, n = batch([row], max_model_len=256)
+            out = p.propose([new], n, ids)
+        assert out == [want]
+    assert p.stats["accepted"] == 0  # slots = 1: nothing accepted
 
 
 def test_ngrammys_reads_the_bigram_table(monkeypatch):
@@ -112,7 +147,7 @@ def test_history_keeps_acceptance_per_requests_last_outcome(monkeypatch, history
     monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"history": history}))
     p = PromptLookupProposer(vllm_config(k=6, max_model_len=256))
     monkeypatch.setattr(p, "chains", lambda seq, lens, w: (torch.arange(1, 1 + w).repeat(seq.shape[0], 1),
-                                                           torch.full((seq.shape[0],), 4)))
+                                                           torch.full((seq.shape[0],), 4), None))
     cost = LinearStepCost(explore_every=0)
     for t in range(2, 30):  # a dear token: a step over 2 + 12 tokens costs 2.2x a step over 2
         cost.observe(t, 0.010 + 0.001 * t)

@@ -28,6 +28,7 @@ from specdec.tree import DraftTree
 STRATEGIES = ("mixed", "context", "bigram")
 VERIFY_MODES = ("tree", "batch", "chain")
 SUPPORT_LEVELS = 3  # support_level's levels: one draft, two, three or more
+CORPUS_SLOTS = 2  # the default ``c`` where an n-gram corpus fits the model
 
 
 def num_sources(q: int, n_max: int, corpus: bool = False) -> int:
@@ -263,6 +264,45 @@ def reach_estimates(tree: DraftTree, accept: torch.Tensor, slot: torch.Tensor) -
     for _ in range(int(tree.depth.max())):
         p = torch.minimum(p, p.gather(1, parents))
     return p
+
+
+def best_chain(roots: torch.Tensor, drafts: torch.Tensor, source: torch.Tensor, rank: torch.Tensor, w_max: int,
+               rates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, the one chain to verify among ``k`` drafts: the root-to-leaf path of their trie with the most
+    expected accepted tokens (the sum of its nodes' :func:`reach_estimates`), for an engine that verifies
+    chains only. Ties go to the drafter's order.
+
+    roots: ``[B]``; drafts, source, rank: ``[B,k,w]`` / ``[B,k]`` / ``[B,k]`` as :meth:`NGrammysDrafter.drafts`
+    returns them; w_max: the drafter's ``w`` (cells are numbered by it); rates: ``[cells]`` fp32,
+    :meth:`specdec.policies.NodeAcceptance.rates`. Returns the chain ``[B,w]`` int64 (-1 padded), ``[B]``
+    the slot of the draft it is a prefix of (0 where the chain is empty) and ``[B,w]`` int64 the cell of
+    each chain node (-1 padded; a node's cell is its first draft's, as the drafter learns), for learning
+    from the chain's verification.
+    """
+    b, k, w = drafts.shape
+    dev = drafts.device
+    cells = ((source * k + rank) * w_max)[:, :, None] + torch.arange(w, device=dev)
+    cells = (cells * SUPPORT_LEVELS + support_level(drafts)).reshape(b, k * w)
+    tree, _, slot = DraftTree.from_drafts(roots, drafts, True)
+    reach = reach_estimates(tree, rates[cells], slot)
+    reach[:, 0] = 0.0
+    parents = tree.parents.clamp(min=0)
+    total = reach.clone()  # expected accepted tokens of the path to each node
+    for _ in range(w):
+        total = torch.where(tree.valid, reach + total.gather(1, parents), 0.0)
+    best = total.argmax(1)  # the root where no row's draft has any estimate: an empty chain
+    depth = tree.depth.gather(1, best[:, None])  # [B,1]
+    up = [best[:, None]]  # up[j]: the ancestor j levels above the best node
+    for _ in range(w - 1):
+        up.append(parents.gather(1, up[-1]))
+    ar = torch.arange(w, device=dev)[None]
+    on = ar < depth
+    path = torch.cat(up, 1).gather(1, (depth - 1 - ar).clamp(min=0))  # [B,w]: the path's node at depth d + 1
+    node_slot = slot.gather(1, path).clamp(min=0)
+    chain = torch.where(on, tree.tokens.gather(1, path), -1)
+    # the path to a leaf is a prefix of the leaf's first chain: the draft the chain is
+    owner = torch.where(depth[:, 0] > 0, slot.gather(1, best[:, None])[:, 0].clamp(min=0) // w, 0)
+    return chain, owner, torch.where(on, cells.gather(1, node_slot), -1)
 
 
 def support_level(drafts: torch.Tensor) -> torch.Tensor:
