@@ -16,7 +16,8 @@ drafts per step from context matches, the n-gram corpus and the bigram table):
 - ``best-history``: ``best`` with estimates kept per outcome of the request's own last chain (none yet,
   rejected, partly or wholly accepted), as the vLLM proposers keep theirs;
 - ``oracle``: whichever draft the reply accepts longest (no rule choosing among these drafts does better);
-- ``tree``: the whole trie verified at once (what tree verification, which vLLM's hook cannot take, gets).
+- ``tree``: the whole trie verified at once (what tree verification, which vLLM's hook cannot take, gets; under
+  greedy verification the same as ``oracle`` by construction, replayed as a check).
 
 Tokens per call here assume every call drafts; vLLM's measured figures also count the steps where the proposer
 cut its chain by cost.
@@ -123,14 +124,14 @@ def main() -> None:
     args = p.parse_args()
     from specdec.api import SpecDecoder
     from specdec.distill.corpus import Corpus
-    from specdec.drafters.ngrammys import CORPUS_SLOTS
+    from specdec.drafters.ngrammys import corpus_slots
 
     torch.set_num_threads(1)
     dec = SpecDecoder(args.model, dtype="bf16", compile="off")
     corpus = Corpus.load(args.replies)
     records = [r for s in corpus.shards("reply") if s["sampling"]["temperature"] == 0 for r in corpus.read(s["name"])]
     ngram_corpus = dec.ngram_corpus()
-    c = min(CORPUS_SLOTS, args.slots) if ngram_corpus is not None else 0
+    c = corpus_slots(args.slots, ngram_corpus is not None)
     out = {"config": {"replies": args.replies, "k": args.k, "slots": args.slots, "corpus_slots": c,
                       "records": len(records)}, "rules": {}}
     for rule in args.rules.split(","):

@@ -25,7 +25,7 @@ from specdec.drafters.feature_draft import FeatureDraftDrafter
 from specdec.drafters.graph_draft import SIBLINGS, GraphDrafter
 from specdec.drafters.ouroboros import ATTACH, ORDERS, SOURCES, OuroborosDrafter, PhraseRates
 from specdec.drafters.phrase_pool import PhrasePool
-from specdec.drafters.ngrammys import CORPUS_SLOTS as NGRAMMYS_CORPUS_SLOTS, STRATEGIES, VERIFY_MODES
+from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES, corpus_slots
 from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance,
                               ProbabilityCalibration, StaticLength, StepCost)
 from specdec.policies.disco import DiscoClassifier, DiscoStop, OracleStop, PlattCalibration, draft_fingerprint
@@ -90,13 +90,13 @@ class NGrammysOptions:
     q: int = option(1, "context query length")
     n_max: int = option(6, "longest suffix matched first (<= q turns that tier off)")
     strategy: str = option("mixed", "draft sources", STRATEGIES)
-    verify: str = option("tree", "trie (tree), k branches (batch, the paper's batch rows), best draft only (chain)",
+    verify: str = option("tree", "trie (tree), k branches (batch, the paper's batch rows), the first draft only (chain)",
                          VERIFY_MODES)
     c: int | None = option(None, "drafts from the n-gram corpus per step (default 2 with a corpus, else 0)",
                            flag="--corpus-slots", low=0)
     support: int = option(1, "acceptance estimates per how many drafts share a node (1) or not (0)", (0, 1))
-    schedule: str = option("cost", "cost: prune each row's tree to the nodes worth their measured verification "
-                                   "cost; static: all k x w drafts, as in the paper", ("cost", "static"))
+    schedule: str = option("cost", "cost: prune the trees to the nodes worth their measured verification "
+                                   "cost (a batch's to one width for all rows); static: all k x w drafts, as in the paper", ("cost", "static"))
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ def _build_ngrammys(dec, o: NGrammysOptions, sampling: SamplingConfig):
     c = o.c
     if c is None:  # a few corpus slots where the decoder has a corpus
         with_corpus = dec.ngram_corpus() is not None and o.strategy != "bigram"
-        c = min(NGRAMMYS_CORPUS_SLOTS, o.k) if with_corpus else 0
+        c = corpus_slots(o.k, with_corpus)
     o = dataclasses.replace(o, c=c)
     tables = dec.ngram_tables() if o.strategy != "context" else None
     cost = o.schedule == "cost"
@@ -391,7 +391,6 @@ def one_thread_cost(dec) -> StepCost:
     """The target's step cost measured on one intra-op thread (the thread PEARL's target runs on)."""
     with one_thread():
         return StepCost.calibrate(dec.runner, sizes=tuple(range(1, 10)))
-
 
 
 REGISTRY: dict[str, Method] = {}

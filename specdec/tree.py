@@ -94,8 +94,9 @@ class DraftTree:
     deterministic drafts; the root's row is all zero). :attr:`mask` is derived on first use. accept: ``[B,T]`` float, the drafter's estimate
     that each node is accepted (reached) given the root, or None; a planner prunes by it
     (:func:`specdec.policies.prune`), whatever source each node came from. origin: ``[B,T] int64``, each node's
-    index in the tree its drafter proposed, set where a planner cut that tree (:meth:`select`), else None (the
-    nodes are the drafter's own): a drafter that keeps per-node bookkeeping maps it through this.
+    index in the tree its drafter proposed, set by :meth:`select` (a planner's cut), else None (node ``i`` is
+    the proposed tree's node ``i``; a chain cut shorter keeps its first nodes): a drafter that keeps per-node
+    bookkeeping maps it through this.
     """
 
     tokens: torch.Tensor

@@ -261,20 +261,57 @@ def test_best_chain_is_the_path_with_the_most_expected_tokens():
     k, w, levels = 3, 3, NodeAcceptance.SUPPORT
     cell = lambda source, rank, depth, support: ((source * k + rank) * w + depth) * levels + support  # noqa: E731
     # row 0: 7 9 5 (a 4-token suffix match, source 4) and 7 8 5 (a last-token match, source 1), sharing 7;
-    # row 1: no draft at all
-    drafts = torch.tensor([[[7, 9, 5], [7, 8, 5], [-1] * 3], [[-1] * 3] * 3])
-    source = torch.tensor([[4, 1, 0], [0, 0, 0]])
-    rank = torch.zeros(2, k, dtype=torch.int64)
-    roots = torch.tensor([6, 6])
+    # row 1: 3 (a 2-token suffix match, source 2) and 4 5 (a last-token match); row 2: no draft at all
+    drafts = torch.tensor([[[7, 9, 5], [7, 8, 5], [-1] * 3], [[3, -1, -1], [4, 5, -1], [-1] * 3], [[-1] * 3] * 3])
+    source = torch.tensor([[4, 1, 0], [2, 1, 0], [0, 0, 0]])
+    rank = torch.zeros(3, k, dtype=torch.int64)
+    roots = torch.tensor([6, 6, 6])
     seven, nine, eight, five_after_eight = cell(4, 0, 0, 1), cell(4, 0, 1, 0), cell(1, 0, 1, 0), cell(1, 0, 2, 0)
+    three = cell(2, 0, 0, 0)  # one likely token beats two unlikely ones
     acceptance = NodeAcceptance(k, w)
     for likelier, want, owner in ((eight, [7, 8, 5], 1), (nine, [7, 9, 5], 0)):
-        _set_rates(acceptance, {seven: 0.9, likelier: 0.8}, 0.01)
+        _set_rates(acceptance, {seven: 0.9, likelier: 0.8, three: 0.5}, 0.01)
         chain, owners, cells = best_chain(roots, drafts, source, rank, w, acceptance.rates("cpu"))
-        assert chain.tolist() == [want, [-1] * 3] and owners.tolist() == [owner, 0]
-        assert cells[1].tolist() == [-1] * 3
+        assert chain.tolist() == [want, [3, -1, -1], [-1] * 3] and owners.tolist() == [owner, 0, 0]
+        assert cells[1].tolist() == [three, -1, -1] and cells[2].tolist() == [-1] * 3
         if owner == 1:  # a node's cell is its first draft's: 7's is the suffix match's
             assert cells[0].tolist() == [seven, eight, five_after_eight]
+    _set_rates(acceptance, {cell(1, 0, 0, 0): 0.6, cell(1, 0, 1, 0): 0.6}, 0.01)  # now 4 5 beats 3
+    chain, owners, _ = best_chain(roots[1:2], drafts[1:2], source[1:2], rank[1:2], w, acceptance.rates("cpu"))
+    assert chain.tolist() == [[4, 5, -1]] and owners.tolist() == [1]
     _set_rates(acceptance, {}, 0.5)  # equal estimates: the drafter's order decides
     chain, owners, _ = best_chain(roots[:1], drafts[:1], source[:1], rank[:1], w, acceptance.rates("cpu"))
     assert chain.tolist() == [[7, 9, 5]] and owners.tolist() == [0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_row_cut_by_the_planner_equals_the_kernels_cut(seed):
+    """The two places a tree is cut by cost agree on one row: the kernel's own cut (``from_drafts`` with
+    estimates, what the drafter does for one row) and the uncut trie's :func:`reach_estimates` cut by
+    :func:`specdec.policies.prune` (what the decode loop does to a batch's trees)."""
+    from specdec.drafters.ngrammys import reach_estimates
+    from specdec.policies import prune
+
+    g = torch.Generator().manual_seed(seed)
+    k, w = 6, 4
+    drafts = torch.randint(0, 4, (1, k, w), generator=g)  # a small vocabulary: many shared prefixes
+    drafts[0, torch.randint(0, k, (2,), generator=g), torch.randint(1, w, (1,), generator=g)] = -1
+    accept = torch.rand(1, k, w, generator=g)
+    cost = StepCost({1: 1.0, 2: 1.1, 4: 1.5, 8: 2.6, 16: 6.0, 32: 14.0}, explore_every=0)
+    root = torch.tensor([9])
+    kernel, _, _ = DraftTree.from_drafts(root, drafts, True, accept, torch.tensor(cost.costs(k * w + 1)))
+    whole, _, slot = DraftTree.from_drafts(root, drafts, True)
+    whole.accept = reach_estimates(whole, accept.reshape(1, -1), slot)
+    planner = prune(whole, cost)
+    assert kernel.num_drafted.item() == planner.num_drafted.item()
+    assert {_path(kernel, i) for i in range(kernel.size) if kernel.valid[0, i]} == \
+        {_path(planner, i) for i in range(planner.size) if planner.valid[0, i]}
+
+
+def _path(tree: DraftTree, node: int) -> tuple[int, ...]:
+    """Row 0's tokens from the root to ``node``."""
+    out = []
+    while node >= 0:
+        out.append(int(tree.tokens[0, node]))
+        node = int(tree.parents[0, node])
+    return tuple(out[::-1])

@@ -11,8 +11,8 @@ slots after the longest-suffix matches take the corpus continuations of the long
 this source is ours, not the paper's, and ``c = 0`` turns it off.
 The drafts are verified in one target pass, either as the trie they form (``verify="tree"``,
 shared prefixes verified once), as ``k`` separate branches under the root (``verify="batch"``,
-the paper's k batch rows without the k-1 copies of the root), or only the best draft
-(``verify="chain"``).
+the paper's k batch rows without the k-1 copies of the root), or only the first draft
+(``verify="chain"``). For an engine that verifies one chain, :func:`best_chain` picks the trie's likeliest path.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from specdec import kernels
 from specdec.drafters.base import Budget, DecodeState, Drafter
-from specdec.kernels.reference import shared_prefixes
+from specdec.kernels.reference import cap_by_parents, shared_prefixes
 from specdec.ngram_corpus import NGramCorpus
 from specdec.ngram_tables import NGramTables, extend_bigram
 from specdec.tree import DraftTree
@@ -29,6 +29,21 @@ STRATEGIES = ("mixed", "context", "bigram")
 VERIFY_MODES = ("tree", "batch", "chain")
 SUPPORT_LEVELS = 3  # support_level's levels: one draft, two, three or more
 CORPUS_SLOTS = 2  # the default ``c`` where an n-gram corpus fits the model
+
+
+def corpus_slots(k: int, has_corpus: bool) -> int:
+    """The default ``c`` for ``k`` slots: :data:`CORPUS_SLOTS` of them where there is an n-gram corpus, else 0."""
+    return min(CORPUS_SLOTS, k) if has_corpus else 0
+
+
+def node_cells(source: torch.Tensor, rank: torch.Tensor, drafts: torch.Tensor, w_max: int,
+               support: bool = True) -> torch.Tensor:
+    """``[B,k,w] int64``: the :class:`~specdec.policies.NodeAcceptance` cell of every draft token, from its
+    draft's source and rank (``[B,k]``, as :meth:`NGrammysDrafter.drafts` returns them), its depth and, with
+    ``support``, how many drafts share it (:func:`support_level`); ``w_max``: the drafter's ``w``."""
+    k, w = drafts.shape[1], drafts.shape[2]
+    cells = ((source * k + rank) * w_max)[:, :, None] + torch.arange(w, device=drafts.device)
+    return cells * SUPPORT_LEVELS + (support_level(drafts) if support else 0)
 
 
 def num_sources(q: int, n_max: int, corpus: bool = False) -> int:
@@ -190,8 +205,7 @@ class NGrammysDrafter(Drafter):
         # drafts share its prefix; a longest-suffix or corpus match's source is its suffix length).
         # Every cost.explore()-th plan keeps one node more, so sizes the plan avoids are timed again.
         b, dev = drafts.shape[0], drafts.device
-        cells = ((self._slot_source * self.k + self._slot_rank) * self.w)[:, :, None] + torch.arange(w, device=dev)
-        cells = cells * SUPPORT_LEVELS + (support_level(drafts) if self.support else 0)
+        cells = node_cells(self._slot_source, self._slot_rank, drafts, self.w, self.support)
         accept = self.acceptance.rates(dev)[cells]  # [B,k,w]
         if b == 1:
             cost = torch.tensor(budget.cost.costs(self.k * w + 1), device=dev)
@@ -214,6 +228,9 @@ class NGrammysDrafter(Drafter):
         if tree.origin is not None:  # the decode loop cut the proposed tree: index the bookkeeping by its nodes
             chain_of_node = chain_of_node.gather(1, tree.origin)
             slot_of_node = None if slot_of_node is None else slot_of_node.gather(1, tree.origin)
+        t = tree.size  # a chain cut to fewer nodes keeps the proposed one's first ones
+        chain_of_node = chain_of_node[:, :t]
+        slot_of_node = None if slot_of_node is None else slot_of_node[:, :t]
         # Bookkeeping over a few nodes per row, on the host after one transfer: a dozen small torch ops
         # here cost ~0.4 ms per step right after a forward (cold caches), the host loop ~0.05 ms.
         parts = [path, chain_of_node, self._slot_source]
@@ -259,11 +276,7 @@ def reach_estimates(tree: DraftTree, accept: torch.Tensor, slot: torch.Tensor) -
     tree: built by :meth:`DraftTree.from_drafts` without pruning; accept: ``[B, k*w]`` the estimate of cell
     ``i * w + d``; slot: ``[B,T]`` each node's cell (-1 at the root and padding), as ``from_drafts`` returns."""
     p = torch.where(tree.valid, accept.float().gather(1, slot.clamp(min=0)), 0.0)
-    p[:, 0] = 1.0
-    parents = tree.parents.clamp(min=0)
-    for _ in range(int(tree.depth.max())):
-        p = torch.minimum(p, p.gather(1, parents))
-    return p
+    return cap_by_parents(p, tree.parents, tree.depth)
 
 
 def best_chain(roots: torch.Tensor, drafts: torch.Tensor, source: torch.Tensor, rank: torch.Tensor, w_max: int,
@@ -281,8 +294,7 @@ def best_chain(roots: torch.Tensor, drafts: torch.Tensor, source: torch.Tensor, 
     """
     b, k, w = drafts.shape
     dev = drafts.device
-    cells = ((source * k + rank) * w_max)[:, :, None] + torch.arange(w, device=dev)
-    cells = (cells * SUPPORT_LEVELS + support_level(drafts)).reshape(b, k * w)
+    cells = node_cells(source, rank, drafts, w_max).reshape(b, k * w)
     tree, _, slot = DraftTree.from_drafts(roots, drafts, True)
     reach = reach_estimates(tree, rates[cells], slot)
     reach[:, 0] = 0.0

@@ -164,8 +164,7 @@ class _ChainProposer:
         included; token_ids_cpu: ``[>= B, max_model_len]`` int32 token ids. Returns ``B`` lists of at
         most ``num_speculative_tokens`` ids."""
         now = time.perf_counter()
-        if self.adaptive:
-            self._learn(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now)
+        self._learn(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now)
         b = len(sampled_token_ids)
         out: list[list[int]] = [[] for _ in range(b)]
         lens_all = np.asarray(num_tokens_no_spec[:b], dtype=np.int64)
@@ -234,13 +233,14 @@ class NGrammysProposer(_ChainProposer):
     (:class:`specdec.policies.NodeAcceptance`: source, rank, depth and how many drafts share the node) learned
     from vLLM's verification of the chains. On the 96 dev replies this chain gets 2.26 tokens per call
     against 2.14 for the first draft alone (``python -m bench.chain_choice``); ``slots = 1`` drafts that one.
-    The length acceptance model is kept per source of the chain's first node (with ``history``, per outcome
-    of the request's last draft too).
+    The length acceptance model is kept per source of the draft the chain follows (with ``history``, per
+    outcome of the request's last draft too); it cuts the chosen chain by cost but does not choose it.
 
     Options: ``corpus``: ``"auto"`` (the shipped corpus made for this tokenizer's vocabulary, if any), a
     path to a corpus file (refused unless it was made for this vocabulary), or ``null``; ``bigram``: use
     the model's bigram table (computed once from the model with transformers and cached under
-    ``$SPECDEC_CACHE/ngram_tables``); ``q``, ``n_max``: as in specdec's ``ngrammys``.
+    ``$SPECDEC_CACHE/ngram_tables``); ``q``, ``n_max``: as in specdec's ``ngrammys``; ``slots``: how many drafts the chain is chosen among (1:
+    the drafter's first, as before the choice was measured).
     """
 
     DEFAULTS = {**_ChainProposer.DEFAULTS, "q": 1, "n_max": 4, "corpus": "auto", "bigram": True, "slots": 10}
@@ -248,7 +248,7 @@ class NGrammysProposer(_ChainProposer):
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
-        from specdec.drafters.ngrammys import CORPUS_SLOTS, NGrammysDrafter
+        from specdec.drafters.ngrammys import NGrammysDrafter, corpus_slots
         from specdec.policies.acceptance import NodeAcceptance
 
         o = self.options
@@ -259,7 +259,7 @@ class NGrammysProposer(_ChainProposer):
         if tables is not None:  # extended bigram rows fill the slots context matches leave
             self.slots = min(self.slots, tables.bigram.shape[1])
         corpus = self._corpus(o["corpus"])
-        c = min(CORPUS_SLOTS, self.slots) if corpus is not None else 0
+        c = corpus_slots(self.slots, corpus is not None)
         self.drafter = NGrammysDrafter(tables, k=self.slots, w=self.k, q=int(o["q"]), n_max=int(o["n_max"]),
                                        strategy="mixed" if tables is not None else "context", verify="chain",
                                        corpus=corpus, c=c)

@@ -332,6 +332,17 @@ def shared_prefixes(drafts: torch.Tensor) -> torch.Tensor:
     return same & live[:, :, None, :] & live[:, None, :, :]
 
 
+def cap_by_parents(p: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """``[B,T]`` estimates ``p`` with the root's set to 1 and every node's capped by its parent's (a child is
+    never reached more often than its parent). parents: ``[B,T]`` (-1 at the root); depth: ``[B,T]``."""
+    p = p.clone()
+    p[:, 0] = 1.0
+    up = parents.clamp(min=0)
+    for _ in range(int(depth.max())):
+        p = torch.minimum(p, p.gather(1, up))
+    return p
+
+
 def draft_tree(
     root: torch.Tensor, drafts: torch.Tensor, merge: bool = True, accept: torch.Tensor | None = None,
     cost: torch.Tensor | None = None, extra: int = 0,
@@ -369,10 +380,8 @@ def draft_tree(
     if accept is not None:
         depth = tree_depth(parents)
         # A node's estimate is its owner's cell, capped by its parent's (a child is never likelier).
-        p = torch.where(valid, accept.reshape(b, k * w).float().gather(1, slot.clamp(min=0)), 0.0)
-        p[:, 0] = 1.0
-        for _ in range(int(depth.max())):
-            p = torch.minimum(p, p.gather(1, parents.clamp(min=0)))
+        p = cap_by_parents(torch.where(valid, accept.reshape(b, k * w).float().gather(1, slot.clamp(min=0)), 0.0),
+                           parents, depth)
         p[:, 0] = 2.0  # the root first
         order = torch.sort(p - depth * 1e-6, dim=-1, descending=True, stable=True)
         gain = order.values.clamp(max=1.0).cumsum(-1)  # [B,T]: 1 + expected accepted with n+1 nodes

@@ -123,13 +123,15 @@ def prune(tree: DraftTree, cost: StepCost, active: list[bool] | None = None) -> 
 
 
 def _rank(tree: DraftTree) -> torch.Tensor:
-    """``[B,T]`` each node's place in its row (the root 0): by descending ``tree.accept`` (ties by index, so a
-    parent, reached at least as often as its child, comes first), else in node order."""
+    """``[B,T]`` each node's place in its row (the root 0): by descending ``tree.accept``, ties shallower first
+    and then by index (so a parent, reached at least as often as its child, comes first; the order
+    :func:`specdec.kernels.draft_tree` cuts by), else in node order."""
     if tree.accept is None:
         return torch.cumsum(tree.valid.long(), 1) - 1
     r = tree.accept.float().masked_fill(~tree.valid, -1.0)
     r[:, 0] = 2.0  # the root first
-    order = r.argsort(dim=1, descending=True, stable=True)
+    by_depth = tree.depth.argsort(dim=1, stable=True)
+    order = by_depth.gather(1, r.gather(1, by_depth).argsort(dim=1, descending=True, stable=True))
     return torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
 
 
