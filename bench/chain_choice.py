@@ -96,7 +96,7 @@ def replay(records, drafter: NGrammysDrafter, tables: list[NodeAcceptance], rule
                         acc = tree_accepted(tree, reply)
                     else:
                         acceptance = tables[outcome if rule == "best-history" else 0]
-                        chain, _, cells = best_chain(state.roots, drafts, source, rank, drafter.w,
+                        chain, _, cells, _ = best_chain(state.roots, drafts, source, rank, drafter.w,
                                                      acceptance.rates("cpu"))
                         n = int((chain[0] >= 0).sum())
                         acc = accepted_prefix(chain[0].tolist(), reply)

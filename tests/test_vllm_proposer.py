@@ -106,6 +106,32 @@ def test_ngrammys_chain_follows_what_vllm_accepts(monkeypatch):
     assert p.stats["accepted"] == 0  # slots = 1: nothing accepted
 
 
+def test_ngrammys_cuts_its_chain_by_its_nodes_estimates(monkeypatch):
+    """A chain whose third node is rarely accepted, at a step cost where a token costs a tenth of a step:
+    the proposer drafts the two likely nodes only."""
+    monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"corpus": None, "bigram": False}))
+    p = NGrammysProposer(vllm_config(k=3, max_model_len=256))
+    cost = LinearStepCost(explore_every=0)
+    for t in range(2, 30):
+        cost.observe(t, 0.010 + 0.001 * t)
+    monkeypatch.setattr(cost, "observe", lambda *a: None)
+    p.cost = cost
+    slots, levels = p.slots, p.nodes.SUPPORT
+
+    def drafts(state, w):
+        b = state.seq.shape[0]
+        d = torch.full((b, slots, w), -1)
+        d[:, 0] = torch.tensor([1, 2, 3])
+        return d, torch.full((b, slots), 4), torch.zeros(b, slots, dtype=torch.int64)
+
+    monkeypatch.setattr(p.drafter, "drafts", drafts)
+    rates = torch.full_like(p.nodes.proposed, 0.01)
+    rates[[((4 * slots) * 3 + depth) * levels for depth in (0, 1)]] = 0.9
+    p.nodes.accepted, p.nodes._rates = rates * p.nodes.proposed, None
+    ids, n = batch([[9] * 10], max_model_len=256)
+    assert p.propose([[9]], n, ids) == [[1, 2]]
+
+
 def test_ngrammys_reads_the_bigram_table(monkeypatch):
     from specdec.ngram_tables import NGramTables
 

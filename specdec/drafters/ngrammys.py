@@ -280,7 +280,7 @@ def reach_estimates(tree: DraftTree, accept: torch.Tensor, slot: torch.Tensor) -
 
 
 def best_chain(roots: torch.Tensor, drafts: torch.Tensor, source: torch.Tensor, rank: torch.Tensor, w_max: int,
-               rates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               rates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row, the one chain to verify among ``k`` drafts: the root-to-leaf path of their trie with the most
     expected accepted tokens (the sum of its nodes' :func:`reach_estimates`), for an engine that verifies
     chains only. Ties go to the drafter's order.
@@ -290,7 +290,8 @@ def best_chain(roots: torch.Tensor, drafts: torch.Tensor, source: torch.Tensor, 
     :meth:`specdec.policies.NodeAcceptance.rates`. Returns the chain ``[B,w]`` int64 (-1 padded), ``[B]``
     the slot of the draft it is a prefix of (0 where the chain is empty) and ``[B,w]`` int64 the cell of
     each chain node (-1 padded; a node's cell is its first draft's, as the drafter learns), for learning
-    from the chain's verification.
+    from the chain's verification, and ``[B,w]`` fp32 each chain node's reach estimate (0 padded), for cutting
+    the chain by cost.
     """
     b, k, w = drafts.shape
     dev = drafts.device
@@ -314,7 +315,7 @@ def best_chain(roots: torch.Tensor, drafts: torch.Tensor, source: torch.Tensor, 
     chain = torch.where(on, tree.tokens.gather(1, path), -1)
     # the path to a leaf is a prefix of the leaf's first chain: the draft the chain is
     owner = torch.where(depth[:, 0] > 0, slot.gather(1, best[:, None])[:, 0].clamp(min=0) // w, 0)
-    return chain, owner, torch.where(on, cells.gather(1, node_slot), -1)
+    return chain, owner, torch.where(on, cells.gather(1, node_slot), -1), torch.where(on, reach.gather(1, path), 0.0)
 
 
 def support_level(drafts: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 import os
 import time
 
@@ -71,13 +72,23 @@ def read_options(defaults: dict, nullable: frozenset = frozenset(), env: str = O
     return {**defaults, **given}
 
 
+@dataclass
+class ChainNodes:
+    """Per chain of one :meth:`_ChainProposer.chains` call, its nodes' cells (what a proposer learns by) and
+    their estimates of being accepted (reached), both ``R`` host lists of ``w`` (-1 / 0 past the chain)."""
+
+    cells: list[list[int]]
+    reach: list[list[float]]
+
+
 class _ChainProposer:
     """What both proposers share: vLLM's call convention, per-request lengths and their bookkeeping.
 
     Subclasses implement :meth:`chains`: ``[R, w]`` drafts (-1 padded), ``[R]`` int signals (the match kind an
-    acceptance model is kept for) and, for a proposer that learns per draft node, each chain's node cells
-    (``R`` host lists, else None) for the ``R`` requests that draft this step; :meth:`learn_nodes` then gets
-    the cells a step verified and how many of each chain it accepted.
+    acceptance model is kept for) and, for a proposer that learns per draft node, :class:`ChainNodes` (else
+    None) for the ``R`` requests that draft this step. With nodes, each chain's length is planned from its
+    nodes' own estimates, and :meth:`learn_nodes` gets the cells a step verified and how many of each chain
+    it accepted; without, from the signal's acceptance model.
     """
 
     DEFAULTS: dict = {"adaptive": True, "history": True}
@@ -108,7 +119,8 @@ class _ChainProposer:
     def load_model(self, *args, **kwargs) -> None:
         """vLLM hands its target model here; the chain proposers draft without it."""
 
-    def chains(self, seq: torch.Tensor, lens: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+    def chains(self, seq: torch.Tensor, lens: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                             "ChainNodes | None"]:
         raise NotImplementedError
 
     def learn_nodes(self, cells: list[list[int]], accepted: list[int]) -> None:
@@ -174,7 +186,7 @@ class _ChainProposer:
             lens = lens_all[rows]
             width = int(lens.max())
             seq = torch.from_numpy(np.ascontiguousarray(token_ids_cpu[rows, :width], dtype=np.int64))
-            drafts, signals, cells = self.chains(seq, torch.from_numpy(lens), self.k)
+            drafts, signals, nodes = self.chains(seq, torch.from_numpy(lens), self.k)
             room = np.minimum(self.max_model_len - lens, self.k)
             found = (drafts >= 0).sum(1).tolist()
             drafted = [min(int(f), int(r)) for f, r in zip(found, room)]
@@ -183,16 +195,19 @@ class _ChainProposer:
                 signals = [with_outcome(s, self._outcome.get(row, 0)) for s, row in zip(signals, rows)]
             if self.adaptive:
                 reach = []
-                for n, s in zip(drafted, signals):
-                    beta, gamma = self.acceptance.params(s)
-                    reach.append([beta * gamma ** j for j in range(n)])
+                for j, (n, s) in enumerate(zip(drafted, signals)):
+                    if nodes is not None:
+                        reach.append(nodes.reach[j][:n])
+                    else:
+                        beta, gamma = self.acceptance.params(s)
+                        reach.append([beta * gamma ** i for i in range(n)])
                 drafted = plan_lengths(reach, self.cost)
             draft_rows = drafts.tolist()
             for j, row in enumerate(rows):
                 out[row] = draft_rows[j][: drafted[j]]
                 key = self.request_key(token_ids_cpu, row, int(lens[j]))
                 entry = (drafted[j], signals[j], self._outcome.get(row, 0),
-                         None if cells is None else tuple(cells[j][: drafted[j]]))
+                         None if nodes is None else tuple(nodes.cells[j][: drafted[j]]))
                 # identical requests (one prompt twice, greedy) draft alike and share their entry
                 self._last[key] = entry if self._last.get(key, entry) == entry else None
             self.stats["steps"] += 1
@@ -233,8 +248,8 @@ class NGrammysProposer(_ChainProposer):
     (:class:`specdec.policies.NodeAcceptance`: source, rank, depth and how many drafts share the node) learned
     from vLLM's verification of the chains. On the 96 dev replies this chain gets 2.26 tokens per call
     against 2.14 for the first draft alone (``python -m bench.chain_choice``); ``slots = 1`` drafts that one.
-    The length acceptance model is kept per source of the draft the chain follows (with ``history``, per
-    outcome of the request's last draft too); it cuts the chosen chain by cost but does not choose it.
+    The chain is cut by cost with the same per-node estimates. The signal is the source of the draft the chain
+    follows (with ``history``, split by the outcome of the request's last draft).
 
     Options: ``corpus``: ``"auto"`` (the shipped corpus made for this tokenizer's vocabulary, if any), a
     path to a corpus file (refused unless it was made for this vocabulary), or ``null``; ``bigram``: use
@@ -314,9 +329,9 @@ class NGrammysProposer(_ChainProposer):
         drafts, source, rank = self.drafter.drafts(state, w)
         if self.slots == 1:
             return drafts[:, 0], source[:, 0], None
-        chain, owner, cells = best_chain(state.roots, drafts, source, rank, self.drafter.w,
-                                         self.nodes.rates(drafts.device))
-        return chain, source.gather(1, owner[:, None]).squeeze(1), cells.tolist()
+        chain, owner, cells, reach = best_chain(state.roots, drafts, source, rank, self.drafter.w,
+                                                self.nodes.rates(drafts.device))
+        return chain, source.gather(1, owner[:, None]).squeeze(1), ChainNodes(cells.tolist(), reach.tolist())
 
     def learn_nodes(self, cells, accepted):
         flat = [c for row in cells for c in row]
