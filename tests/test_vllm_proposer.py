@@ -387,3 +387,17 @@ def test_bench_engine_group_is_one_batch_on_one_thread(monkeypatch):
     toks, seconds, drafted, accepted, prefill = _run_engine(dec, ("pld", {"history": "0"}), group, 12)
     assert seen == [1] and torch.get_num_threads() == threads and 0 < prefill < seconds and 0 <= accepted <= drafted
     assert toks == dec.generate_ids([g.ids for g in group], "ar", 12).tokens  # lossless, one batch
+
+
+def test_step_cost_fit_gets_ready_when_only_exploring_steps_differ():
+    """One request that always drafts its whole chain: only the exploring steps (one in 16, half the tokens)
+    differ in size, and that is enough for the fit to get ready and see the slope."""
+    cost = LinearStepCost()
+    for _ in range(40):
+        plan = plan_lengths([[0.5] * 8], cost)
+        cost.observe(1 + plan[0], 0.040 + 0.002 * (1 + plan[0]))
+    assert cost.ready and abs(cost.coefficients()[1] - 0.002) < 1e-9
+    same = LinearStepCost()
+    for _ in range(40):
+        same.observe(9, 0.058)
+    assert not same.ready  # one size only: no slope to see

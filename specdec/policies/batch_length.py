@@ -12,13 +12,15 @@ from __future__ import annotations
 class LinearStepCost:
     """``c(T) = a + b T`` seconds for a step over ``T`` tokens, fitted by exponentially weighted least squares.
 
-    ``decay`` weights recent steps more (the engine's load changes); until the observations span at least
-    ``min_spread`` tokens the slope is unknown and :attr:`ready` is False. A plan that keeps every token
-    (a slope fitted near 0, or none yet) would make every step the same size, and the fit could never see
-    the slope again: :meth:`explore` has one step in ``explore_every`` verify half the planned tokens."""
+    ``decay`` weights recent steps more (the engine's load changes). Until the observed step sizes carry
+    ``min_info`` (their weighted sum of squared deviations from the mean, token²: 16 steps one token off the
+    mean, or 4 steps two tokens off) the slope is unknown and :attr:`ready` is False. A plan that keeps every
+    token (a slope fitted near 0, or none yet) would make every step the same size, and the fit could never
+    see the slope again: :meth:`explore` has one step in ``explore_every`` verify half the planned tokens
+    (at one request drafting 8 tokens, steps of 9 tokens and one in 16 of 5 reach ``min_info`` in ~20 steps)."""
 
-    def __init__(self, decay: float = 0.98, min_spread: float = 2.0, explore_every: int = 16):
-        self.decay, self.min_spread, self.explore_every = decay, min_spread, explore_every
+    def __init__(self, decay: float = 0.98, min_info: float = 16.0, explore_every: int = 16):
+        self.decay, self.min_info, self.explore_every = decay, min_info, explore_every
         self._s = [0.0] * 5  # weight, sum T, sum T^2, sum c, sum T c
         self._plans = 0
 
@@ -35,7 +37,7 @@ class LinearStepCost:
     @property
     def ready(self) -> bool:
         w, st, stt = self._s[:3]
-        return w > 0 and (stt / w - (st / w) ** 2) >= self.min_spread ** 2
+        return w > 0 and stt - st * st / w >= self.min_info
 
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)``; ``b`` is clamped at 0 (a step over more tokens never costs less) and ``a`` above 0."""
