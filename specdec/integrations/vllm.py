@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -254,8 +254,8 @@ class NGrammysProposer(_ChainProposer):
     Options: ``corpus``: ``"auto"`` (the shipped corpus made for this tokenizer's vocabulary, if any), a
     path to a corpus file (refused unless it was made for this vocabulary), or ``null``; ``bigram``: use
     the model's bigram table (computed once from the model with transformers and cached under
-    ``$SPECDEC_CACHE/ngram_tables``); ``q``, ``n_max``: as in specdec's ``ngrammys``; ``slots``: how many drafts the chain is chosen among (1:
-    the drafter's first, as before the choice was measured).
+    ``$SPECDEC_CACHE/ngram_tables``); ``q``, ``n_max``: as in specdec's ``ngrammys``; ``slots``: how many
+    drafts the chain is chosen among (1: the drafter's first, as before the choice was measured).
     """
 
     DEFAULTS = {**_ChainProposer.DEFAULTS, "q": 1, "n_max": 4, "corpus": "auto", "bigram": True, "slots": 10}
