@@ -277,9 +277,10 @@ def test_best_chain_is_the_path_with_the_most_expected_tokens():
         assert cells[1].tolist() == [three, -1, -1] and cells[2].tolist() == [-1] * 3
         if owner == 1:  # a node's cell is its first draft's: 7's is the suffix match's
             assert cells[0].tolist() == [seven, eight, five_after_eight]
-    _set_rates(acceptance, {cell(1, 0, 0, 0): 0.6, cell(1, 0, 1, 0): 0.6}, 0.01)  # now 4 5 beats 3
-    chain, owners, _, _ = best_chain(roots[1:2], drafts[1:2], source[1:2], rank[1:2], w, acceptance.rates("cpu"))
+    _set_rates(acceptance, {cell(1, 0, 0, 0): 0.3, cell(1, 0, 1, 0): 0.8}, 0.01)  # now 4 5 beats 3
+    chain, owners, _, reach = best_chain(roots[1:2], drafts[1:2], source[1:2], rank[1:2], w, acceptance.rates("cpu"))
     assert chain.tolist() == [[4, 5, -1]] and owners.tolist() == [1]
+    assert reach.tolist() == [pytest.approx([0.3, 0.3, 0.0])]  # a node is never likelier than its parent
     _set_rates(acceptance, {}, 0.5)  # equal estimates: the drafter's order decides
     chain, owners, _, _ = best_chain(roots[:1], drafts[:1], source[:1], rank[:1], w, acceptance.rates("cpu"))
     assert chain.tolist() == [[7, 9, 5]] and owners.tolist() == [0]

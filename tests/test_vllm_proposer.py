@@ -107,7 +107,7 @@ def test_ngrammys_chain_follows_what_vllm_accepts(monkeypatch):
 
 
 def test_ngrammys_cuts_its_chain_by_its_nodes_estimates(monkeypatch):
-    """A chain whose third node is rarely accepted, at a step cost where a token costs a tenth of a step:
+    """A chain whose third node is rarely accepted, at a step cost where a token costs about a tenth of a step:
     the proposer drafts the two likely nodes only."""
     monkeypatch.setenv("SPECDEC_VLLM_OPTIONS", json.dumps({"corpus": None, "bigram": False}))
     p = NGrammysProposer(vllm_config(k=3, max_model_len=256))
@@ -397,6 +397,10 @@ def test_step_cost_fit_gets_ready_when_only_exploring_steps_differ():
         plan = plan_lengths([[0.5] * 8], cost)
         cost.observe(1 + plan[0], 0.040 + 0.002 * (1 + plan[0]))
     assert cost.ready and abs(cost.coefficients()[1] - 0.002) < 1e-9
+    early = LinearStepCost()  # one exploring step alone is not enough: the second one (step 32) is
+    for step in range(1, 33):
+        early.observe(5 if step % 16 == 0 else 9, 0.058)
+        assert early.ready == (step == 32), step
     same = LinearStepCost()
     for _ in range(40):
         same.observe(9, 0.058)

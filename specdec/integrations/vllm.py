@@ -13,11 +13,13 @@ One line of configuration, no fork and no patch of vLLM::
 
 vLLM calls ``propose`` once per step for its whole batch; both proposers run the batch through one call
 of specdec's batched kernels. Each request's draft length is cost-aware (``"adaptive": true``, the
-default): per match kind, an acceptance model learned from vLLM's verification outcomes, and the step
-cost fitted to vLLM's own step times (:mod:`specdec.policies.batch_length`) decide how many tokens each
-request drafts, up to ``num_speculative_tokens``. With ``"history": true`` (the default) the acceptance
-model is also kept per outcome of the request's own last verified draft (none yet, rejected, partly or
-wholly accepted): a request that is copying its context goes on copying, one that is not rarely starts.
+default): acceptance estimates learned from vLLM's verification outcomes (prompt lookup's per match kind;
+N-Grammys' per draft node) and the step cost fitted to vLLM's own step times
+(:mod:`specdec.policies.batch_length`) decide how many tokens each request drafts, up to
+``num_speculative_tokens``. With ``"history": true`` (the default) prompt lookup's acceptance model is also
+kept per outcome of the request's own last verified draft (none yet, rejected, partly or wholly accepted): a
+request that is copying its context goes on copying, one that is not rarely starts. (N-Grammys' node
+estimates carry no outcome: with ``slots > 1`` ``history`` does not change its lengths.)
 
 Options come from the environment variable ``SPECDEC_VLLM_OPTIONS`` (a JSON object), since vLLM's
 speculative config takes no extra keys; unknown options fail at engine start. This module imports

@@ -17,7 +17,8 @@ class LinearStepCost:
     mean, or 4 steps two tokens off) the slope is unknown and :attr:`ready` is False. A plan that keeps every
     token (a slope fitted near 0, or none yet) would make every step the same size, and the fit could never
     see the slope again: :meth:`explore` has one step in ``explore_every`` verify half the planned tokens
-    (at one request drafting 8 tokens, steps of 9 tokens and one in 16 of 5 reach ``min_info`` in ~20 steps)."""
+    (at one request drafting 8 tokens, steps of 9 tokens and one in 16 of 5 reach ``min_info`` at the second
+    exploring step, step 32: one alone never does)."""
 
     def __init__(self, decay: float = 0.98, min_info: float = 16.0, explore_every: int = 16):
         self.decay, self.min_info, self.explore_every = decay, min_info, explore_every
