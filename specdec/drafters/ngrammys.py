@@ -228,7 +228,7 @@ class NGrammysDrafter(Drafter):
         if tree.origin is not None:  # the decode loop cut the proposed tree: index the bookkeeping by its nodes
             chain_of_node = chain_of_node.gather(1, tree.origin)
             slot_of_node = None if slot_of_node is None else slot_of_node.gather(1, tree.origin)
-        t = tree.size  # a chain cut to fewer nodes keeps the proposed one's first ones
+        t, k = tree.size, self._slot_source.shape[1]  # a chain cut to fewer nodes keeps the proposed one's first
         chain_of_node = chain_of_node[:, :t]
         slot_of_node = None if slot_of_node is None else slot_of_node[:, :t]
         # Bookkeeping over a few nodes per row, on the host after one transfer: a dozen small torch ops
@@ -236,7 +236,6 @@ class NGrammysDrafter(Drafter):
         parts = [path, chain_of_node, self._slot_source]
         if slot_of_node is not None:
             parts += [slot_of_node, tree.valid.long()]
-        t, k = path.shape[1], self._slot_source.shape[1]
         n_src = num_sources(self.q, self.n_max)
         slots = self.k if self.verify != "chain" else 1
         a, names = self.allocation, ("bigram", "context", "corpus")
