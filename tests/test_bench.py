@@ -56,3 +56,19 @@ def test_run_bench_oracle_reference_is_untimed_and_uncounted():
         oracle, one = runs[("sd:schedule=oracle", p.id)], runs[("sd:draft_length=1", p.id)]
         # one target forward per step plus the prefill, none from the reference run
         assert oracle["target_calls"] <= one["target_calls"] <= oracle["new_tokens"]
+
+
+def test_cuda_kernel_bench_cases_build_and_agree_on_the_host(monkeypatch):
+    """bench.kernels_cuda's cases check ours against the baseline when built; built on CPU tensors here (CI has
+    no GPU) so the script cannot rot between GPU sessions."""
+    import torch
+
+    import bench.kernels_cuda as kc
+
+    monkeypatch.setattr(kc, "CUDA", torch.device("cpu"))
+    for case_id, build in kc.CASES:
+        if "S4096" in case_id or "N1024" in case_id or "B16" in case_id or "B64" in case_id:
+            continue  # the large shapes only cost time here
+        case = build()
+        case.ours(), case.baseline()
+        assert case.op in case_id
