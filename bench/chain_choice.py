@@ -17,7 +17,12 @@ drafts per step from context matches, the n-gram corpus and the bigram table):
   rejected, partly or wholly accepted), as the vLLM proposers keep theirs;
 - ``oracle``: whichever draft the reply accepts longest (no rule choosing among these drafts does better);
 - ``tree``: the whole trie verified at once (what tree verification, which vLLM's hook cannot take, gets; under
-  greedy verification the same as ``oracle`` by construction, replayed as a check).
+  greedy verification the same as ``oracle`` by construction, replayed as a check);
+- ``features`` / ``features-cv``: the draft with the highest mean accepted length, by a table over richer per-draft
+  features (source, rank, how many of the drafts share its first one and two tokens, how far it agrees with the
+  continuation of the longest suffix match in the context, that match's length), fitted on the very replies it
+  is scored on (``features``: an upper bound for any table over these features) or on the other half of the
+  replies (``features-cv``: two folds by record, the honest figure).
 
 Tokens per call here assume every call drafts; vLLM's measured figures also count the steps where the proposer
 cut its chain by cost.
@@ -35,7 +40,7 @@ from specdec.kernels import ngram_match
 from specdec.policies import NodeAcceptance
 from specdec.tree import DraftTree
 
-RULES = ("pld", "first", "best", "best-history", "oracle", "tree")
+RULES = ("pld", "first", "best", "best-history", "oracle", "tree", "features", "features-cv")
 
 
 def accepted_prefix(draft: list[int], reply: list[int]) -> int:
@@ -113,6 +118,99 @@ def replay(records, drafter: NGrammysDrafter, tables: list[NodeAcceptance], rule
             "per_category": {c: round(e / n, 3) for c, (n, e) in sorted(per_category.items())}}
 
 
+def longest_match(ids: list[int], w: int, cap: int = 64) -> tuple[list[int], int]:
+    """The ``w`` tokens after the earlier position whose preceding tokens match the end of ``ids`` longest
+    (up to ``cap``; the most recent among equals), and that match's length (0 and [] without one)."""
+    best_len, best_p = 0, -1
+    for p in range(len(ids) - 2, -1, -1):
+        n = 0
+        while n < cap and p - n >= 0 and ids[p - n] == ids[len(ids) - 1 - n]:
+            n += 1
+        if n > best_len:
+            best_len, best_p = n, p
+    return (ids[best_p + 1: best_p + 1 + w], best_len) if best_p >= 0 else ([], 0)
+
+
+def _bucket(n: int, edges: tuple[int, ...]) -> int:
+    return sum(n > e for e in edges)
+
+
+def draft_features(drafts: list[list[int]], source: list[int], rank: list[int], longest: tuple[list[int], int]):
+    """One key per draft (None for an empty slot): (source, rank capped at 3, drafts sharing its first token
+    capped at 4, sharing its first two capped at 3, tokens agreeing with the longest match's continuation capped
+    at 3, that match's length bucketed)."""
+    cont, n = longest
+    keys = []
+    for d, s, r in zip(drafts, source, rank):
+        if d[0] < 0:
+            keys.append(None)
+            continue
+        share1 = sum(x[0] == d[0] for x in drafts)
+        share2 = sum(x[:2] == d[:2] for x in drafts) if len(d) > 1 and d[1] >= 0 else 0
+        agree = accepted_prefix(d, cont)
+        keys.append((s, min(r, 3), min(share1, 4), min(share2, 3), min(agree, 3), _bucket(n, (0, 1, 3, 6, 12))))
+    return keys
+
+
+def positions(records, drafter: NGrammysDrafter, k: int) -> list[list[tuple | None]]:
+    """For each record, at every decode position: (per-draft keys, per-draft accepted lengths), or None where
+    the call drafts nothing (the reply's last token)."""
+    out = []
+    for rec in records:
+        ids = [int(t) for t in rec.ids]
+        rows = []
+        for pos in range(rec.prompt_len + 1, len(ids)):
+            w = min(k, len(ids) - pos - 1)
+            if w <= 0:
+                rows.append(None)
+                continue
+            state = DecodeState(torch.tensor([ids[:pos]]), torch.tensor([pos]), [pos])
+            drafts, source, rank = drafter.drafts(state, w)
+            d = drafts[0].tolist()
+            keys = draft_features(d, source[0].tolist(), rank[0].tolist(), longest_match(ids[:pos], w))
+            rows.append((keys, [accepted_prefix(x, ids[pos: pos + k]) for x in d]))
+        out.append(rows)
+    return out
+
+
+def fit_table(rows: list[list[tuple | None]]) -> dict[tuple, float]:
+    """Mean accepted length per key over every position of ``rows`` (one pseudo-count at 0.5)."""
+    sums: dict[tuple, list[float]] = {}
+    for rec in rows:
+        for row in rec:
+            for key, acc in zip(*row) if row else ():
+                if key is not None:
+                    t = sums.setdefault(key, [0.5, 1])
+                    t[0] += acc
+                    t[1] += 1
+    return {key: a / n for key, (a, n) in sums.items()}
+
+
+def walk_table(rows: list[list[tuple | None]], table: dict[tuple, float]) -> tuple[int, int]:
+    """Calls and emitted tokens when every call verifies the draft the table rates highest."""
+    calls = emitted = 0
+    for rec in rows:
+        i = 0
+        while i < len(rec):
+            acc = 0
+            if rec[i] is not None:
+                keys, accs = rec[i]
+                rated = [(table.get(key, 0.0), -j) for j, key in enumerate(keys) if key is not None]
+                acc = accs[-max(rated)[1]] if rated else 0
+            calls, emitted, i = calls + 1, emitted + acc + 1, i + acc + 1
+    return calls, emitted
+
+
+def features_rule(rows: list[list[tuple | None]], cross: bool) -> dict:
+    if cross:
+        a, b = rows[0::2], rows[1::2]
+        (c1, e1), (c2, e2) = walk_table(a, fit_table(b)), walk_table(b, fit_table(a))
+        calls, emitted = c1 + c2, e1 + e2
+    else:
+        calls, emitted = walk_table(rows, fit_table(rows))
+    return {"calls": calls, "emitted": emitted, "tokens_per_call": round(emitted / max(1, calls), 3)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replies", default="bench/dev_replies/smollm2-bf16")
@@ -134,12 +232,18 @@ def main() -> None:
     c = corpus_slots(args.slots, ngram_corpus is not None)
     out = {"config": {"replies": args.replies, "k": args.k, "slots": args.slots, "corpus_slots": c,
                       "records": len(records)}, "rules": {}}
-    for rule in args.rules.split(","):
+    rules, rows = args.rules.split(","), None
+    for rule in rules:
         if rule not in RULES:
             raise SystemExit(f"unknown rule {rule!r}: one of {RULES}")
+    for rule in rules:
         drafter = NGrammysDrafter(dec.ngram_tables(), k=args.slots, w=args.k, corpus=ngram_corpus, c=c)
-        tables = [NodeAcceptance(args.slots, args.k, corpus=c > 0) for _ in range(OUTCOMES)]
-        out["rules"][rule] = replay(records, drafter, tables, rule, args.k)
+        if rule.startswith("features"):
+            rows = rows or positions(records, drafter, args.k)
+            out["rules"][rule] = features_rule(rows, rule == "features-cv")
+        else:
+            tables = [NodeAcceptance(args.slots, args.k, corpus=c > 0) for _ in range(OUTCOMES)]
+            out["rules"][rule] = replay(records, drafter, tables, rule, args.k)
         print(rule, json.dumps(out["rules"][rule]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -72,3 +72,25 @@ def test_cuda_kernel_bench_cases_build_and_agree_on_the_host(monkeypatch):
         case = build()
         case.ours(), case.baseline()
         assert case.op in case_id
+
+
+def test_chain_choice_longest_match_and_table_walk():
+    """bench.chain_choice's feature bound: the longest earlier suffix match (most recent among equals) and the
+    walk that verifies, at each call, the draft its table rates highest and jumps past what that draft got."""
+    from bench.chain_choice import draft_features, fit_table, longest_match, walk_table
+
+    assert longest_match([1, 2, 3, 9, 1, 2, 3], 2) == ([9, 1], 3)
+    assert longest_match([5, 3, 7, 4, 3], 3) == ([7, 4, 3], 1)  # the only earlier 3
+    assert longest_match([4, 4, 4], 1) == ([4], 2)  # overlapping matches count
+    assert longest_match([1, 2, 3], 2) == ([], 0)
+
+    keys = draft_features([[7, 8], [7, 9], [-1, -1]], [2, 0, 0], [0, 5, 1], ([7, 8], 4))
+    assert keys == [(2, 0, 2, 1, 2, 3), (0, 3, 2, 1, 1, 3), None]
+
+    a, b = ("a",), ("b",)
+    # three positions; at the first, draft "b" gets 2 tokens (jump to past the third), "a" gets 0
+    rows = [[([a, b], [0, 2]), ([a, b], [1, 0]), None]]
+    table = fit_table(rows)
+    assert table[b] > table[a]
+    assert walk_table(rows, table) == (1, 3)  # one call, two accepted + one
+    assert walk_table(rows, {a: 1.0, b: 0.0}) == (2, 3)  # "a": none accepted, then one (past the last position)
