@@ -95,13 +95,16 @@ def test_ragged_batch_matches_rows_alone(arch, method):
 
 
 @pytest.mark.parametrize("method,opts", [("ar", {}), ("pld", {}), ("ngrammys", {}), ("sd", {}),
-                                         ("sd", {"schedule": "heuristic"}), ("sd", {"confidence": 0.4})])
+                                         ("sd", {"schedule": "heuristic"}), ("sd", {"confidence": 0.4}),
+                                         ("gsd", {"schedule": "static"}), ("gsd", {}), ("ouroboros", {"schedule": "static"}),
+                                         ("ouroboros", {})])
 def test_finished_rows_leave_the_batch(arch, method, opts, monkeypatch):
     """Rows that end (at an EOS, or at the token budget) leave the batch: later forwards compute fewer rows,
     down to one, and every row is still its own greedy output; twice on one decoder (the second generation
     reuses the buffers the first shrank); sampled rows end as they should. A draft model's cache and a stop
     rule's state leave with their rows."""
-    check_rows_leave(decoder(arch), method, opts, monkeypatch, same_drafts=method == "sd")
+    check_rows_leave(decoder(arch), method, opts, monkeypatch,
+                     same_drafts=method == "sd" or opts.get("schedule") == "static")
 
 
 def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sampled: bool = True,

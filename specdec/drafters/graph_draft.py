@@ -110,6 +110,7 @@ class GraphDrafter(Drafter):
         # Cost-aware drafting depth: needs acceptance estimates, the target's step cost and the draft's.
         self._planning = calibration is not None and cost is not None and draft_seconds is not None
         self.needs_hidden = base.needs_hidden
+        self.keeps_rows = base.keeps_rows  # the per-row state is the base draft's (graphs live for one step)
         self.base.margin = max_nodes + 8
         self._graphs: list[DraftGraph | None] = []
         self._stats = self._fresh_stats()
@@ -132,6 +133,10 @@ class GraphDrafter(Drafter):
 
     def add_hidden(self, hidden: torch.Tensor, counts: torch.Tensor) -> None:
         self.base.add_hidden(hidden, counts)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.base.keep_rows(rows)
+        self._graphs = []  # the last step's graphs, already learned from in update()
 
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         with self.base._mode():

@@ -187,6 +187,7 @@ class OuroborosDrafter(Drafter):
         draft_tree = 1 + (n_verify * self.phrase_len + window_size(window, level) if lookahead else 0)
         # The first forward of a step also feeds the tokens accepted last step (at most gamma + P + 1).
         self.base.margin = draft_tree + gamma + self.phrase_len + 8
+        self.keeps_rows = base.keeps_rows  # per row: the base draft's cache and the lookahead windows
         self._windows: list[JacobiWindow | None] = []
         self._chains: list[list[int]] = []
         self._tops: list[list[float]] = []
@@ -226,6 +227,11 @@ class OuroborosDrafter(Drafter):
             rng = np.random.default_rng(self.seed)
             self._windows = [JacobiWindow(self.window, self.level, rows[r][: state.seq_lens_host[r]], rng)
                              for r in range(b)]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.base.keep_rows(rows)
+        self._windows = [self._windows[r] for r in rows]
+        self._tries, self._chains, self._tops = [], [], []  # the last step's, already learned from in update()
 
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         with self.base._mode():
