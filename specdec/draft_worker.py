@@ -67,7 +67,8 @@ class DraftWindow:
 
 
 class ConcurrentDraft:
-    """The interface: ``begin`` per generation, then ``submit``/``result`` pairs, ``close`` at the end of use.
+    """The interface: ``begin`` per generation, then ``submit``/``result`` pairs (with ``keep_rows`` between two
+    pairs when finished rows leave the batch), ``close`` at the end of use.
 
     ``submit(lens, depth, keep)`` drafts ``depth[b]`` tokens for row ``b`` from ``seq[b, :lens[b]]`` (the
     :attr:`seq` buffer, which the caller fills first and leaves alone until ``result()``), after rolling the
@@ -92,6 +93,11 @@ class ConcurrentDraft:
     def result(self) -> DraftWindow:
         raise NotImplementedError
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Finished rows left the batch: keep rows ``rows`` (ascending batch indices) only, in that order, in the
+        draft's cache and in :attr:`seq` (no window in flight)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release what the backend holds (a worker process)."""
 
@@ -107,6 +113,11 @@ class _DraftCore:
         self.drafter = DraftModelDrafter(self.runner, sampling, proposal_topk)  # seeded from the sampling config
         self.runner.reset(batch_size, capacity + depth + 1)
         self.drafter._seen = [0] * batch_size
+
+    def keep_rows(self, rows: list[int]) -> None:
+        d = self.drafter
+        d.runner.rollback(d.runner.cache.lengths_host)  # the last window's nodes, if any were left pending
+        d.keep_rows(rows)
 
     @torch.inference_mode()
     def window(self, seq: torch.Tensor, lens: list[int], depth: list[int], keep: list[int]):
@@ -151,6 +162,10 @@ class InlineDraft(ConcurrentDraft):
             raise RuntimeError("result() without a submit()")
         return window
 
+    def keep_rows(self, rows: list[int]) -> None:
+        self.seq = self.seq[rows]
+        self.core.keep_rows(rows)
+
 
 def _exit_with_parent(parent: int) -> None:
     """End this process once ``parent`` is gone (it was killed, or exited without closing the pipe): a daemon
@@ -192,9 +207,10 @@ def _worker_main(conn, model, core: int | None, parent: int) -> None:
                 _, _, bufs, batch, capacity, depth, sampling, proposal_topk = msg
                 draft.begin(batch, capacity, depth, sampling, proposal_topk)
                 conn.send(("ok", seqno))
-            elif kind == "draft":
+            elif kind == "draft":  # the batch is the buffers' first len(lens) rows (finished rows left)
                 _, _, lens, depth, keep = msg
-                seq, out_tokens, out_ids, out_probs = bufs
+                b = len(lens)
+                seq, out_tokens, out_ids, out_probs = (buf[:b] for buf in bufs)
                 t0 = time.perf_counter()
                 tokens, q, forwards = draft.window(seq, lens, depth, keep)
                 g = tokens.shape[1]
@@ -204,6 +220,9 @@ def _worker_main(conn, model, core: int | None, parent: int) -> None:
                     out_ids[:, :g, :k], out_probs[:, :g, :k] = q.ids[..., :k], q.probs[..., :k]
                     out_ids[:, :g, k:], out_probs[:, :g, k:] = -1, 0.0
                 conn.send(("window", seqno, g, time.perf_counter() - t0, forwards))
+            elif kind == "keep":
+                draft.keep_rows(msg[2])
+                conn.send(("ok", seqno))
             else:
                 raise ValueError(f"unknown command {kind!r}")
         except Exception:
@@ -342,6 +361,7 @@ class ProcessDraft(ConcurrentDraft):
                     torch.zeros(batch_size, depth, k).share_memory_())
             self._bufs = (shape, bufs)
         self.seq = self._bufs[1][0]
+        self._rows = batch_size  # the batch: the buffers' first rows
         # An abandoned window (an interrupted call) finishes first: wait as long as a window may take.
         self._receive(WINDOW_TIMEOUT, "ok", self._send("begin", self._bufs[1], batch_size, capacity, depth,
                                                     sampling, proposal_topk))
@@ -359,10 +379,18 @@ class ProcessDraft(ConcurrentDraft):
             raise RuntimeError("result() without a submit()")
         seqno, self._pending = self._pending, None
         _, _, g, seconds, forwards = self._receive(WINDOW_TIMEOUT, "window", seqno)
-        _, out_tokens, out_ids, out_probs = self._bufs[1]
+        _, out_tokens, out_ids, out_probs = (buf[: self._rows] for buf in self._bufs[1])
         tokens = out_tokens[:, :g].clone()
         q = None if self.greedy else SparseProbs(out_ids[:, :g].clone(), out_probs[:, :g].clone())
         return DraftWindow(tokens, q, seconds, forwards)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        if self._pending is not None:
+            raise RuntimeError("keep_rows() while a window is in flight: call result() first")
+        seq = self._bufs[1][0]
+        seq[: len(rows)] = seq[rows]  # the shared buffer keeps its size; the batch is its first rows
+        self.seq, self._rows = seq[: len(rows)], len(rows)
+        self._receive(WINDOW_TIMEOUT, "ok", self._send("keep", list(rows)))
 
     def close(self) -> None:
         self._finalizer()

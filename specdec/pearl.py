@@ -48,7 +48,7 @@ from types import SimpleNamespace
 
 import torch
 
-from specdec.decoding import DecodeResult, DecodeStats, _start, _timed
+from specdec.decoding import DecodeResult, DecodeStats, _leave_batch, _start, _timed
 from specdec.draft_worker import ConcurrentDraft
 from specdec.model import ModelRunner
 from specdec.tree import DraftTree, SparseProbs
@@ -186,6 +186,7 @@ def pearl_generate(
     state.append(first)
     out.add_each(first.tolist())
     b, dev = len(prompts), state.seq.device
+    live = list(range(b))  # batch row -> prompt: finished rows leave the batch after their round
     draft.begin(b, state.seq.shape[1] + gmax, gmax, sampling, proposal_topk)
     pending: list[list[int]] = [[] for _ in range(b)]
     pending_q: list[SparseProbs | None] = [None] * b  # [1, m, k] proposals of the pending drafts (sampling)
@@ -197,10 +198,10 @@ def pearl_generate(
         lens = state.seq_lens_host
         depth, verify_row, use_window, run = [0] * b, [False] * b, [False] * b, [[] for _ in range(b)]
         for r in range(b):
-            if out.done[r]:
+            if out.done[live[r]]:  # a row that finished at the prompt's token, before any round
                 pending[r] = []
                 continue
-            left = out.max_new - len(out.tokens[r])  # tokens the row may still emit (>= 1)
+            left = out.max_new - len(out.tokens[live[r]])  # tokens the row may still emit (>= 1)
             m = len(pending[r])
             if m > left - 1:  # the chain would emit too much: verify what fits and draw the bonus
                 pending[r], m = pending[r][: left - 1], left - 1
@@ -282,7 +283,7 @@ def pearl_generate(
                 stats.drafted_tokens += len(chains[r])
                 stats.accepted_tokens += n_path - 1
                 stats.accept_lengths.append(n_path - 1)
-                out.add(r, host[r][4: 4 + n_emit])
+                out.add(live[r], host[r][4: 4 + n_emit])
                 pre = len(run[r]) == 0
                 if use_window[r] and not nxt:  # every draft accepted, the window's first token too
                     new_pending[r], new_q[r] = _window_tail(win, r, 1, depth[r])
@@ -304,6 +305,10 @@ def pearl_generate(
         pending, pending_q = new_pending, new_q
         window.observe(tested_all, accepted_all, win.seconds if win and not first_window else None,
                        win.forwards if win else 0, target_seconds if b == 1 else None, nodes)
+        live, kept = _leave_batch(live, out.done, target, state, draft)
+        if kept is not None:  # later rounds compute only the rows still generating
+            pending, pending_q, fed = ([x[r] for r in kept] for x in (pending, pending_q, fed))
+            b = len(live)
     stats.drafter = rounds.summary()
     stats.total_s = time.perf_counter() - t0
     return DecodeResult(out.tokens, stats)

@@ -97,14 +97,17 @@ def test_ragged_batch_matches_rows_alone(arch, method):
 @pytest.mark.parametrize("method,opts", [("ar", {}), ("pld", {}), ("ngrammys", {}), ("sd", {}),
                                          ("sd", {"schedule": "heuristic"}), ("sd", {"confidence": 0.4}),
                                          ("gsd", {"schedule": "static"}), ("gsd", {}), ("ouroboros", {"schedule": "static"}),
-                                         ("ouroboros", {})])
+                                         ("ouroboros", {}),
+                                         ("pearl", {"backend": "inline", "window": "fixed", "gamma": 3}),
+                                         ("pearl", {"window": "fixed", "gamma": 3}), ("pearl", {"backend": "inline"})])
 def test_finished_rows_leave_the_batch(arch, method, opts, monkeypatch):
     """Rows that end (at an EOS, or at the token budget) leave the batch: later forwards compute fewer rows,
     down to one, and every row is still its own greedy output; twice on one decoder (the second generation
     reuses the buffers the first shrank); sampled rows end as they should. A draft model's cache and a stop
     rule's state leave with their rows."""
     check_rows_leave(decoder(arch), method, opts, monkeypatch,
-                     same_drafts=method == "sd" or opts.get("schedule") == "static")
+                     same_drafts=method == "sd" or "static" in (opts.get("schedule"), opts.get("window")) or
+                     (method == "pearl" and opts.get("window") == "fixed"))
 
 
 def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sampled: bool = True,
@@ -113,6 +116,7 @@ def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sam
     (methods whose drafts do not depend on timings): the rows still generating draft and accept exactly what they do
     when finished rows stand still, so no row's draft state (cache, stop rule) went to another row."""
     import specdec.decoding
+    import specdec.pearl
     from specdec.model import ModelRunner
 
     rows, decoding = [], [False]  # rows of each forward after the prompt's (calibrations run before it)
@@ -151,7 +155,8 @@ def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sam
         out = dec.generate_ids(prompts, method, 24, GREEDY, **opts)
         dec.reset_learned()
         with monkeypatch.context() as m:
-            m.setattr(specdec.decoding, "_leave_batch", lambda live, done, *holders: (live, None))
+            for module in (specdec.decoding, specdec.pearl):
+                m.setattr(module, "_leave_batch", lambda live, done, *holders: (live, None))
             still = dec.generate_ids(prompts, method, 24, GREEDY, **opts)
         assert still.tokens == refs and set(rows) == {len(prompts)}
         assert (out.stats.drafted_tokens, out.stats.accepted_tokens) == (still.stats.drafted_tokens,
