@@ -21,8 +21,8 @@ drafts per step from context matches, the n-gram corpus and the bigram table):
 - ``features`` / ``features-cv``: the draft with the highest mean accepted length, by a table over richer per-draft
   features (source, rank, how many of the drafts share its first one and two tokens, how far it agrees with the
   continuation of the longest suffix match in the context, that match's length), fitted on the very replies it
-  is scored on (``features``: an upper bound for any table over these features) or on the other half of the
-  replies (``features-cv``: two folds by record, the honest figure).
+  is scored on (``features``: in-sample, optimistic, though not a ceiling: another order of the same keys can do
+  better) or on the other half of the replies (``features-cv``: two folds by record, the honest figure).
 
 Tokens per call here assume every call drafts; vLLM's measured figures also count the steps where the proposer
 cut its chain by cost.

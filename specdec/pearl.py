@@ -303,6 +303,7 @@ def pearl_generate(
                 new_pending[r], new_q[r] = _window_tail(win, r, 0, depth[r])
                 rounds.draft_only += 1
         pending, pending_q = new_pending, new_q
+        # one-row forwards teach the window rule the target's step cost, also once a batch is down to one row
         window.observe(tested_all, accepted_all, win.seconds if win and not first_window else None,
                        win.forwards if win else 0, target_seconds if b == 1 else None, nodes)
         live, kept = _leave_batch(live, out.done, target, state, draft)

@@ -106,8 +106,7 @@ def test_finished_rows_leave_the_batch(arch, method, opts, monkeypatch):
     reuses the buffers the first shrank); sampled rows end as they should. A draft model's cache and a stop
     rule's state leave with their rows."""
     check_rows_leave(decoder(arch), method, opts, monkeypatch,
-                     same_drafts=method == "sd" or "static" in (opts.get("schedule"), opts.get("window")) or
-                     (method == "pearl" and opts.get("window") == "fixed"))
+                     same_drafts=method == "sd" or opts.get("schedule") == "static" or opts.get("window") == "fixed")
 
 
 def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sampled: bool = True,
