@@ -207,8 +207,8 @@ def speculative_generate(
         policy.begin(len(prompts), state)
         if drafter.needs_hidden:
             drafter.add_hidden(prompt_hidden, state.seq_lens - 1)
-    # Finished rows leave the batch where every holder of per-row state can drop rows, so later steps
-    # compute only the rows still generating; elsewhere they stand still in it.
+    # Finished rows leave the batch where every holder of per-row state can drop rows (every shipped drafter
+    # and policy can), so later steps compute only the rows still generating; elsewhere they stand still in it.
     leave = drafter.keeps_rows and getattr(policy, "keeps_rows", False)
     live = list(range(len(prompts)))  # batch row -> prompt
     while not all(out.done):
