@@ -130,15 +130,21 @@ def random_tree_parents(t: int, g: torch.Generator) -> torch.Tensor:
     return torch.tensor([-1] + [int(torch.randint(max(0, i - 8), i, (1,), generator=g)) for i in range(1, t)])
 
 
-def ngram_case() -> Case:
+def repetitive_tokens(b: int, length: int) -> torch.Tensor:
+    """``[b, length]`` int64 repetitive text: a small vocabulary with copied spans, so matches and ties are
+    frequent (seeded)."""
     g = torch.Generator().manual_seed(0)
-    b, length = 8, 4096
-    # Repetitive text: a small vocabulary with copied spans, so matches and ties are frequent.
     tokens = torch.randint(0, 64, (b, length), generator=g)
     for r in range(b):
         for _ in range(40):
             s, d = (int(x) for x in torch.randint(0, length - 64, (2,), generator=g))
             tokens[r, d:d + 32] = tokens[r, s:s + 32].clone()
+    return tokens
+
+
+def ngram_case() -> Case:
+    b, length = 8, 4096
+    tokens = repetitive_tokens(b, length)
     lengths = torch.full((b,), length)
     args = (tokens, lengths, 1, 4, 10, 10)
     got, want = K.ngram_match(*args), ngram_match_torch(*args)

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 import specdec.kernels as K
-from bench.kernels import _ancestors, random_tree_parents, topk_entropy_torch, tree_attention_sdpa
+from bench.kernels import (_ancestors, random_tree_parents, repetitive_tokens, topk_entropy_torch,
+                           tree_attention_sdpa)
 from specdec.kernels import reference as R
 
 CUDA = torch.device("cuda")
@@ -60,13 +61,7 @@ def tree_attention_case(b: int, s: int, t: int, dtype: torch.dtype) -> Case:
 
 def ngram_case(b: int, length: int) -> Case:
     """Repetitive rows (a small vocabulary with copied spans): the CUDA kernel against the torch reference."""
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 64, (b, length), generator=g)
-    for r in range(b):
-        for _ in range(40):
-            s, d = (int(x) for x in torch.randint(0, length - 64, (2,), generator=g))
-            tokens[r, d:d + 32] = tokens[r, s:s + 32].clone()
-    tokens, lengths = tokens.to(CUDA), torch.full((b,), length, device=CUDA)
+    tokens, lengths = repetitive_tokens(b, length).to(CUDA), torch.full((b,), length, device=CUDA)
     args = (tokens, lengths, 1, 4, 10, 10)
     got, want = K.ngram_match(*args), R.ngram_match(*args)
     assert all(torch.equal(x.cpu(), y.to(x.dtype).cpu()) for x, y in zip(got, want)), "ngram_match disagrees"
