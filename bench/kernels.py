@@ -27,13 +27,15 @@ from specdec.kernels import reference as R
 
 @dataclass
 class Case:
-    """One benchmark: ``ours()`` and ``baseline()`` compute the same result."""
+    """One benchmark: ``ours()`` and ``baseline()`` compute the same result; ``nbytes``, where set, is the least
+    memory ``ours`` must read (:mod:`bench.kernels_cuda` reports GB/s from it)."""
 
     op: str
     shape: str
     ours: Callable[[], object]
     baseline: Callable[[], object]
     baseline_name: str
+    nbytes: int = 0
 
 
 # ----------------------------------------------------------------------------------------

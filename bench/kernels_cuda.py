@@ -12,30 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 import specdec.kernels as K
-from bench.kernels import (_ancestors, random_tree_parents, repetitive_tokens, topk_entropy_torch,
-                           tree_attention_sdpa)
+from bench.kernels import (Case, _ancestors, _batch_attention_inputs, random_tree_parents, repetitive_tokens,
+                           topk_entropy_torch, tree_attention_sdpa)
 from specdec.kernels import reference as R
 
 CUDA = torch.device("cuda")
-
-
-@dataclass
-class Case:
-    """One benchmark on CUDA: ``ours()`` and ``baseline()`` compute the same result; ``nbytes`` is the
-    least memory ``ours`` must read (0 where that is not the point)."""
-
-    op: str
-    shape: str
-    ours: Callable[[], object]
-    baseline: Callable[[], object]
-    baseline_name: str
-    nbytes: int = 0
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -46,10 +32,7 @@ def tree_attention_case(b: int, s: int, t: int, dtype: torch.dtype) -> Case:
     """SmolLM2's attention shape (Hq=9 Hkv=3 D=64): ``b`` rows of ``s`` cached tokens and an EAGLE-like tree
     of ``t`` nodes each, against SDPA over a dense mask unpacked from the same packed mask."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(b, 9, t, 64, generator=g).to(dtype).to(CUDA)
-    kv_k = torch.randn(b, 3, s + t, 64, generator=g).to(dtype).to(CUDA)
-    kv_v = torch.randn(b, 3, s + t, 64, generator=g).to(dtype).to(CUDA)
-    lens = torch.full((b,), s, device=CUDA)
+    q, kv_k, kv_v, lens = (x.to(CUDA) for x in _batch_attention_inputs(b, s, t, dtype, g))
     mask = K.pack_mask(torch.stack([_ancestors(random_tree_parents(t, g)) for _ in range(b)])).to(CUDA)
     ours = lambda: K.tree_attention(q, kv_k[:, :, :s], kv_v[:, :, :s], lens, kv_k[:, :, s:], kv_v[:, :, s:], mask)  # noqa: E731
     base = lambda: tree_attention_sdpa(q, kv_k, kv_v, lens, s, mask)  # noqa: E731

@@ -115,9 +115,8 @@ class _DraftCore:
         self.drafter._seen = [0] * batch_size
 
     def keep_rows(self, rows: list[int]) -> None:
-        d = self.drafter
-        d.runner.rollback(d.runner.cache.lengths_host)  # the last window's nodes, if any were left pending
-        d.keep_rows(rows)
+        self.runner.drop_pending()  # the last window's nodes, if any were left pending
+        self.drafter.keep_rows(rows)
 
     @torch.inference_mode()
     def window(self, seq: torch.Tensor, lens: list[int], depth: list[int], keep: list[int]):

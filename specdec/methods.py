@@ -90,13 +90,14 @@ class NGrammysOptions:
     q: int = option(1, "context query length")
     n_max: int = option(6, "longest suffix matched first (<= q turns that tier off)")
     strategy: str = option("mixed", "draft sources", STRATEGIES)
-    verify: str = option("tree", "trie (tree), k branches (batch, the paper's batch rows), the first draft only (chain)",
-                         VERIFY_MODES)
+    verify: str = option("tree", "trie (tree), k branches (batch, the paper's batch rows), the first draft only "
+                                 "(chain)", VERIFY_MODES)
     c: int | None = option(None, "drafts from the n-gram corpus per step (default 2 with a corpus, else 0)",
                            flag="--corpus-slots", low=0)
     support: int = option(1, "acceptance estimates per how many drafts share a node (1) or not (0)", (0, 1))
     schedule: str = option("cost", "cost: prune the trees to the nodes worth their measured verification "
-                                   "cost (a batch's to one width for all rows); static: all k x w drafts, as in the paper", ("cost", "static"))
+                                   "cost (a batch's to one width for all rows); static: all k x w drafts, as in "
+                                   "the paper", ("cost", "static"))
 
 
 @dataclass(frozen=True)
