@@ -87,9 +87,10 @@ def random_tree(b: int, t: int, g: torch.Generator) -> DraftTree:
     return DraftTree.from_parents(torch.randint(0, 50, (b, t), generator=g), parents)
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])  # auto leaves Triton for large fp32 trees
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,s", [(1, 0), (7, 33), (64, 1024), (130, 300)])
-def test_tree_attention_cuda(dtype, t, s):
+def test_tree_attention_cuda(dtype, t, s, backend):
     g = gen(t + s)
     b, hkv, group, d = 2, 3, 3, 64
     tree = random_tree(b, t, g)
@@ -99,7 +100,7 @@ def test_tree_attention_cuda(dtype, t, s):
     lens = torch.tensor([s, s // 2])
     args = (q, kc, vc, lens, kt, vt, tree.mask)
     want = reference.tree_attention(*args, scale=d**-0.5)
-    got = K.tree_attention(*[a.to(CUDA) for a in args], scale=d**-0.5)
+    got = K.tree_attention(*[a.to(CUDA) for a in args], scale=d**-0.5, backend=backend)
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(got.cpu().float(), want.float(), **tol)
 

@@ -353,6 +353,13 @@ def test_tree_verify_sampling_matches_reference(case, draft, u64):
 # ----------------------------------------------------------------------------------------
 
 
+def test_tree_attention_fp32_leaves_triton_for_large_trees():
+    pays = K.tree_attention_triton_pays
+    limit = K.TRITON_FP32_MAX_TREE
+    assert pays(torch.float32, limit) and not pays(torch.float32, limit + 1)
+    assert pays(torch.bfloat16, 4 * limit) and pays(torch.float16, 4 * limit)
+
+
 def test_dispatch_prefers_triton_on_cuda_only():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert _dispatch.choose("topk_entropy", cuda, "auto", ("cpu",), triton=True) == "triton"
@@ -361,6 +368,9 @@ def test_dispatch_prefers_triton_on_cuda_only():
     assert _dispatch.choose("topk_entropy", cuda, "torch", ("cpu",), triton=True) == "torch"
     if INTERPRET:
         assert _dispatch.choose("topk_entropy", cpu, "triton", ("cpu",), triton=True) == "triton"
+    # a Triton kernel measured slower than torch for a shape is skipped by auto only
+    assert _dispatch.choose("tree_attention", cuda, "auto", ("cpu",), triton=True, triton_pays=False) == "torch"
+    assert _dispatch.choose("tree_attention", cuda, "triton", ("cpu",), triton=True, triton_pays=False) == "triton"
     with pytest.raises(RuntimeError):
         _dispatch.choose("ngram_match", cuda, "triton", ("cpu", "cuda"))  # no Triton kernel
     with pytest.raises(RuntimeError):

@@ -53,6 +53,19 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+TRITON_FP32_MAX_TREE = 32
+
+
+def tree_attention_triton_pays(dtype: torch.dtype, t: int) -> bool:
+    """Whether ``auto`` takes the Triton tree attention for ``t`` queries of ``dtype`` on CUDA.
+
+    Its fp32 path (exact ``ieee`` dots on tiles sized for bf16) was measured on an H100 at 2.95x SDPA with
+    8 queries but 0.07-0.19x with 64 (bench/RESULTS.md, GPU); past ``TRITON_FP32_MAX_TREE`` fp32 queries the
+    torch reference (SDPA over a dense mask) runs instead. fp16/bf16 beat SDPA at every measured shape.
+    """
+    return dtype != torch.float32 or t <= TRITON_FP32_MAX_TREE
+
+
 def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -99,7 +112,8 @@ def tree_attention(
     if window is not None and tuple(tree_positions.shape) != (b, n):
         raise ValueError(f"tree_positions must be [B, N] = [{b}, {n}], got {list(tree_positions.shape)}")
     triton = q.dtype in (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernel covers
-    route = choose("tree_attention", q.device, backend, ("cpu",), triton=triton)
+    route = choose("tree_attention", q.device, backend, ("cpu",), triton=triton,
+                   triton_pays=tree_attention_triton_pays(q.dtype, t))
     if route == "native":
         return native_ops().tree_attention(q, k_cache, v_cache, cache_lens, k_tree, v_tree, tree_mask, scale,
                                            tree_positions, window)

@@ -69,12 +69,19 @@ def _warn_no_triton(op: str) -> None:
 
 
 def choose(
-    op: str, device: torch.device, backend: str | None, native_devices: tuple[str, ...], triton: bool = False
+    op: str,
+    device: torch.device,
+    backend: str | None,
+    native_devices: tuple[str, ...],
+    triton: bool = False,
+    triton_pays: bool = True,
 ) -> str:
     """Return ``"torch"``, ``"native"`` (``torch.ops.specdec.<op>``) or ``"triton"`` for one call of ``op``.
 
     native_devices: device types (``"cpu"``, ``"cuda"``) on which the extension may implement ``op``;
-    triton: whether ``specdec.triton_kernels`` implements ``op`` (for CUDA tensors).
+    triton: whether ``specdec.triton_kernels`` implements ``op`` (for CUDA tensors);
+    triton_pays: whether ``auto`` should take that Triton kernel for this call's shape (False where it was
+    measured slower than the torch reference; a forced ``triton`` still runs it).
     """
     backend = backend or os.environ.get("SPECDEC_BACKEND", "auto")
     if backend not in BACKENDS:
@@ -86,7 +93,7 @@ def choose(
     if backend == "auto":
         if native:
             return "native"
-        if triton and kind == "cuda":
+        if triton and triton_pays and kind == "cuda":
             if has_triton():
                 return "triton"
             _warn_no_triton(op)
