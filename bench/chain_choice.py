@@ -18,6 +18,9 @@ drafts per step from context matches, the n-gram corpus and the bigram table):
 - ``oracle``: whichever draft the reply accepts longest (no rule choosing among these drafts does better);
 - ``tree``: the whole trie verified at once (what tree verification, which vLLM's hook cannot take, gets; under
   greedy verification the same as ``oracle`` by construction, replayed as a check);
+- ``draft``: the draft with the most expected accepted tokens by a draft model's own probabilities (``--draft``,
+  default the shipped ``smollm2-draft``), all drafts scored in one forward of the draft model per call over its
+  cache of the reply so far (:func:`draft_probs`); what a proposer holding a small draft model could choose;
 - ``features`` / ``features-cv``: the draft with the highest mean accepted length, by a table over richer per-draft
   features (source, rank, how many of the drafts share its first one and two tokens, how far it agrees with the
   continuation of the longest suffix match in the context, that match's length), fitted on the very replies it
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -40,7 +44,7 @@ from specdec.kernels import ngram_match
 from specdec.policies import NodeAcceptance
 from specdec.tree import DraftTree
 
-RULES = ("pld", "first", "best", "best-history", "oracle", "tree", "features", "features-cv")
+RULES = ("pld", "first", "best", "best-history", "oracle", "tree", "draft", "features", "features-cv")
 
 
 def accepted_prefix(draft: list[int], reply: list[int]) -> int:
@@ -65,15 +69,64 @@ def tree_accepted(tree: DraftTree, reply: list[int]) -> int:
     return depth
 
 
-def replay(records, drafter: NGrammysDrafter, tables: list[NodeAcceptance], rule: str, k: int) -> dict:
+def draft_probs(model, cache, new: list[int], drafts: list[list[int]]) -> list[list[float]]:
+    """A causal LM's probability of every token of every draft, all drafts in one forward.
+
+    model: a transformers causal LM; cache: its ``DynamicCache`` over the sequence so far, without ``new``;
+    new: ``[n >= 1]`` tokens to append first (the last is the token the drafts continue); drafts: ``[D]``
+    non-empty token lists. The drafts' tokens but their last attend to the cache, ``new`` and their own
+    draft's earlier tokens (a 4-D mask), at the positions they would take; afterwards the cache holds ``new``
+    and nothing of the drafts. Returns ``[D][len(draft)]``: ``p(draft[j] | sequence, new, draft[:j])``.
+    """
+    past, n0 = cache.get_seq_length(), len(new)
+    flat, rows = [], []  # rows[i][j]: the output row whose logits predict drafts[i][j]
+    for d in drafts:
+        start = n0 + len(flat)
+        rows.append([n0 - 1] + [start + j for j in range(len(d) - 1)])
+        flat += d[:-1]
+    q = n0 + len(flat)
+    visible = torch.zeros(q, past + q, dtype=torch.bool)
+    visible[:, :past] = True
+    visible[:n0, past:past + n0] = torch.ones(n0, n0, dtype=torch.bool).tril()
+    visible[n0:, past:past + n0] = True
+    positions = list(range(past, past + n0))
+    for i, d in enumerate(drafts):
+        first = rows[i][1] if len(d) > 1 else q
+        for j, r in enumerate(rows[i][1:]):
+            visible[r, past + first: past + r + 1] = True
+            positions.append(past + n0 + j)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([new + flat]), attention_mask=visible[None, None],
+                       position_ids=torch.tensor([positions]), past_key_values=cache, use_cache=True).logits[0]
+    if flat:
+        cache.crop(-len(flat))
+    probs = logits.float().softmax(-1)
+    return [[float(probs[r, t]) for r, t in zip(rows[i], d)] for i, d in enumerate(drafts)]
+
+
+def expected_accepted(probs: list[float]) -> float:
+    """Expected accepted length of a chain whose tokens are each right with ``probs`` given the ones before."""
+    total, p = 0.0, 1.0
+    for x in probs:
+        p *= x
+        total += p
+    return total
+
+
+def replay(records, drafter: NGrammysDrafter, tables: list[NodeAcceptance], rule: str, k: int,
+           draft_model=None) -> dict:
     """Calls and emitted tokens of ``rule`` over the replies of ``records``; ``tables``: the acceptance
     estimates, one per outcome of the request's last chain (:func:`specdec.drafters.base.last_outcome`) for
-    ``best-history``."""
+    ``best-history``; ``draft_model``: the causal LM that scores drafts for ``draft``."""
+    from transformers import DynamicCache
+
     calls = emitted = 0
     per_category: dict[str, list[int]] = {}
+    scoring: list[float] = []  # seconds per draft-model forward (rule draft)
     for rec in records:
         ids = [int(t) for t in rec.ids]
         outcome = 0
+        cache, scored = (DynamicCache(config=draft_model.config), 0) if rule == "draft" else (None, 0)
         pos = rec.prompt_len  # tokens known before the call; the reply's tokens from here are what the target emits
         while pos < len(ids):
             # the target's first reply token comes from the prompt's forward: decoding starts after it
@@ -99,6 +152,19 @@ def replay(records, drafter: NGrammysDrafter, tables: list[NodeAcceptance], rule
                     elif rule == "tree":
                         tree, _, _ = DraftTree.from_drafts(state.roots, drafts, True)
                         acc = tree_accepted(tree, reply)
+                    elif rule == "draft":
+                        unique = []
+                        for x in drafts[0].tolist():
+                            x = [t for t in x if t >= 0]
+                            if x and x not in unique:
+                                unique.append(x)
+                        if unique:
+                            t0 = time.perf_counter()
+                            probs = draft_probs(draft_model, cache, ids[scored:pos], unique)
+                            scoring.append(time.perf_counter() - t0)
+                            scored = pos
+                            chosen = max(range(len(unique)), key=lambda i: (expected_accepted(probs[i]), -i))
+                            acc = accepted_prefix(unique[chosen], reply)
                     else:
                         acceptance = tables[outcome if rule == "best-history" else 0]
                         chain, _, cells, _ = best_chain(state.roots, drafts, source, rank, drafter.w,
@@ -114,8 +180,11 @@ def replay(records, drafter: NGrammysDrafter, tables: list[NodeAcceptance], rule
             per_category[rec.category][0] += 1
             per_category[rec.category][1] += acc + 1
             pos += acc + 1
-    return {"calls": calls, "emitted": emitted, "tokens_per_call": round(emitted / max(1, calls), 3),
-            "per_category": {c: round(e / n, 3) for c, (n, e) in sorted(per_category.items())}}
+    out = {"calls": calls, "emitted": emitted, "tokens_per_call": round(emitted / max(1, calls), 3),
+           "per_category": {c: round(e / n, 3) for c, (n, e) in sorted(per_category.items())}}
+    if scoring:
+        out["draft_forward_ms_median"] = round(1e3 * sorted(scoring)[len(scoring) // 2], 2)
+    return out
 
 
 def longest_match(ids: list[int], w: int, cap: int = 64) -> tuple[list[int], int]:
@@ -218,6 +287,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8, help="num_speculative_tokens: the longest chain a call verifies")
     p.add_argument("--slots", type=int, default=10, help="drafts per step the rules choose among (ngrammys' k)")
     p.add_argument("--rules", default=",".join(RULES))
+    p.add_argument("--draft", default="smollm2-draft", help="the draft model of rule draft")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from specdec.api import SpecDecoder
@@ -243,7 +313,13 @@ def main() -> None:
             out["rules"][rule] = features_rule(rows, rule == "features-cv")
         else:
             tables = [NodeAcceptance(args.slots, args.k, corpus=c > 0) for _ in range(OUTCOMES)]
-            out["rules"][rule] = replay(records, drafter, tables, rule, args.k)
+            draft_model = None
+            if rule == "draft":
+                from specdec.hub import load_model
+
+                draft_model = load_model(args.draft, dtype="bf16")[0]
+                out["config"]["draft"] = args.draft
+            out["rules"][rule] = replay(records, drafter, tables, rule, args.k, draft_model)
         print(rule, json.dumps(out["rules"][rule]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -74,6 +74,33 @@ def test_cuda_kernel_bench_cases_build_and_agree_on_the_host(monkeypatch):
         assert case.op in case_id
 
 
+def test_chain_choice_draft_probs_match_separate_forwards():
+    """bench.chain_choice's draft rule scores every draft in one masked forward over the draft model's cache:
+    each draft's probabilities equal a plain forward over the sequence followed by that draft alone, and the
+    cache afterwards holds the sequence and nothing of the drafts."""
+    import torch
+    from transformers import DynamicCache
+
+    from bench.chain_choice import draft_probs, expected_accepted
+
+    model = tiny_model("llama")
+    seq = [3, 17, 42, 5, 17, 42, 9, 11]
+    cache = DynamicCache(config=model.config)
+    drafts = [[5, 17, 42], [9], [5, 30], [60, 61, 62, 63]]
+    scored = 0
+    for upto in (5, 8):  # two calls: the second appends to the cache the first left
+        got = draft_probs(model, cache, seq[scored:upto], drafts)
+        scored = upto
+        assert cache.get_seq_length() == upto
+        for d, probs in zip(drafts, got):
+            with torch.no_grad():
+                full = model(input_ids=torch.tensor([seq[:upto] + d])).logits[0].softmax(-1)
+            want = [float(full[upto - 1 + j, t]) for j, t in enumerate(d)]
+            assert probs == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert expected_accepted([0.5, 0.5, 1.0]) == pytest.approx(0.5 + 0.25 + 0.25)
+    assert expected_accepted([]) == 0.0
+
+
 def test_chain_choice_longest_match_and_table_walk():
     """bench.chain_choice's feature table: the longest earlier suffix match (most recent among equals) and the
     walk that verifies, at each call, the draft its table rates highest and jumps past what that draft got."""
