@@ -268,21 +268,26 @@ def test_lossless_with_skinny(arch, method, opts, prepack):
 
 
 @native
-@pytest.mark.parametrize("tiles", [False, True])
-def test_auto_limits_packed_rows_on_amx(tiles, monkeypatch):
+@pytest.mark.parametrize("cpu", ["amx", "avx512-bf16", "no-bf16"])
+def test_auto_limits_packed_rows_where_torch_wins(cpu, monkeypatch):
     """``--linear auto`` hands bf16 products over AMX_PACKED_MAX_ROWS rows to torch's GEMM on a CPU with AMX
-    tiles (measured faster there); ``packed`` keeps the kernel's limit for a CPU without them."""
+    tiles, and over AVX512_BF16_PACKED_MAX_ROWS on one with AVX-512-BF16 but no tiles (measured faster there);
+    ``packed`` keeps the kernel's own limit, and a CPU without bf16 instructions keeps the kernel in both."""
     import specdec.linear as linear_mod
 
-    monkeypatch.setattr(linear_mod, "cpu_has_matrix_tiles", lambda dtype: tiles and dtype == torch.bfloat16)
+    bf16 = lambda dtype: dtype == torch.bfloat16  # noqa: E731
+    monkeypatch.setattr(linear_mod, "cpu_has_matrix_tiles", lambda dtype: cpu == "amx" and bf16(dtype))
+    monkeypatch.setattr(linear_mod, "cpu_has_half_gemm", lambda dtype: cpu != "no-bf16" and bf16(dtype))
     limits = {}
     for kernel in ("auto", "packed"):
         model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
         apply_linear_kernel(model, kernel, "cpu")
         limits[kernel] = {m.max_rows for m in model.modules() if isinstance(m, SkinnyLinear)}
     without = linear_mod.default_max_rows(torch.bfloat16, prepack=True, tiles=False)
-    assert limits["packed"] == {without} and without > linear_mod.AMX_PACKED_MAX_ROWS
-    assert limits["auto"] == ({linear_mod.AMX_PACKED_MAX_ROWS} if tiles else {without})
+    assert limits["packed"] == {without} and without > linear_mod.AVX512_BF16_PACKED_MAX_ROWS
+    want = {"amx": linear_mod.AMX_PACKED_MAX_ROWS, "avx512-bf16": linear_mod.AVX512_BF16_PACKED_MAX_ROWS,
+            "no-bf16": without}[cpu]
+    assert limits["auto"] == {want}
     fp32 = copy.deepcopy(tiny_model("llama"))
     apply_linear_kernel(fp32, "auto", "cpu")  # fp32 keeps the batch-invariant kernel: the identity tests rely on it
     assert {m.max_rows for m in fp32.modules() if isinstance(m, SkinnyLinear)} == {linear_mod.default_max_rows(torch.float32, True, False)}
