@@ -6,8 +6,8 @@ costs about T one-token steps, and its fp32 GEMM takes a slow path for 2-3 rows;
 cannot gain. :func:`specdec.kernels.skinny_linear` streams the weights once for all rows and is
 batch-invariant (a row's result does not depend on which other rows share the call), so verifying T
 tokens agrees bit for bit with one-token decoding through every linear layer. On a CPU with AMX tiles
-``--linear auto`` gives bf16 products over :data:`AMX_PACKED_MAX_ROWS` rows to torch's GEMM (with AVX-512-BF16
-but no AMX, over :data:`AVX512_BF16_PACKED_MAX_ROWS`), which is faster there and not batch-invariant: a wide verification may then round differently from one-token steps
+``--linear auto`` gives bf16 products over :data:`AMX_PACKED_MAX_ROWS` rows to torch's GEMM, which is
+faster there and not batch-invariant: a wide verification may then round differently from one-token steps
 in bf16 (never in fp32); ``--linear packed`` keeps the kernel, and bit-exact bf16, up to 64 rows.
 
 Prefill has the opposite problem: a bf16/fp16 product over many rows on such a CPU is 3-6x slower
@@ -84,11 +84,16 @@ def cpu_has_matrix_tiles(dtype: torch.dtype) -> bool:
 # --kernels packed,torch`).
 AMX_PACKED_MAX_ROWS = 8
 
-# The same crossover on a CPU with AVX-512-BF16 but no AMX tiles: all 211 weights over M rows, AMD EPYC (Zen 4),
-# one thread, torch 2.13 (`bench.profile model-linears --kernels packed,torch`): packed 49.2 ms against
-# torch's 56.2 at 16 rows, 61.0 against 62.1 at 20, 68.1 against 66.7 at 24, 91.0 against 75.5 at 32 and
-# 168.2 against 114.9 at 64 (bench/results/model_linears_zen4_1t.json).
-AVX512_BF16_PACKED_MAX_ROWS = 20
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_bf16_dot() -> bool:
+    """Whether packed_linear's bf16 products use AVX-512-BF16 pair dot products (``VDPBF16PS``,
+    csrc/packed_linear.cpp), unless ``SPECDEC_BF16_DOT=0`` keeps them on the kernel's fp32 path (an A/B switch
+    that leaves the row limits below as they are). All 211 weights of SmolLM2-135M over M rows, AMD EPYC Zen 4,
+    one thread, ms, this path / torch's GEMM (bench/results/model_linears_zen4_dot_1t.json): 28.9 / 52.9 at 16
+    rows, 87.4 / 110.7 at 64, 317.4 / 340.9 at 256 (the fp32 path, model_linears_zen4_1t.json: 49.2 at 16,
+    168.2 at 64), so there the kernel keeps products of up to 256 rows."""
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
 def default_max_rows(dtype: torch.dtype, prepack: bool = False, tiles: bool = False) -> int:
@@ -101,16 +106,14 @@ def default_max_rows(dtype: torch.dtype, prepack: bool = False, tiles: bool = Fa
       2.9 ms widened bf16). Past that the kernel, which streams all rows of x once per panel, is not
       blocked for cache, so 256 is its limit.
 
-    With ``tiles`` (what ``--linear auto`` passes) torch's bf16 GEMM takes over where it was measured faster:
-    from 9 rows on with AMX tiles (:func:`cpu_has_matrix_tiles`, :data:`AMX_PACKED_MAX_ROWS`), from 21 rows on
-    a CPU with AVX-512-BF16 but no AMX (:data:`AVX512_BF16_PACKED_MAX_ROWS`). Otherwise both kernels keep 64
-    rows on a CPU with bf16 instructions (:func:`cpu_has_half_gemm`). fp16 was not measured and shares bf16's
-    limits without tiles."""
+    With AVX-512-BF16 (:func:`cpu_has_bf16_dot`) the packed kernel's bf16 products beat torch's GEMM up to 256
+    rows. With ``tiles`` and AMX tiles for ``dtype`` (:func:`cpu_has_matrix_tiles`), torch's GEMM wins from 9
+    rows on: :data:`AMX_PACKED_MAX_ROWS`. On another CPU with half-precision matrix instructions
+    (:func:`cpu_has_half_gemm`: AMX-FP16) both kernels keep 64. fp16 was not measured and shares bf16's limits
+    without tiles."""
     if prepack and tiles and cpu_has_matrix_tiles(dtype):
         return AMX_PACKED_MAX_ROWS
-    if prepack and tiles and dtype == torch.bfloat16 and cpu_has_half_gemm(dtype):
-        return AVX512_BF16_PACKED_MAX_ROWS
-    if prepack and not cpu_has_half_gemm(dtype):
+    if prepack and (not cpu_has_half_gemm(dtype) or (dtype == torch.bfloat16 and cpu_has_bf16_dot())):
         return 256
     return 16 if dtype == torch.float32 else 64
 
@@ -231,10 +234,9 @@ def use_skinny_linear(model: nn.Module, max_rows: int | None = None, prepack: bo
 def apply_linear_kernel(model: nn.Module, kernel: str, device: str) -> bool:
     """Apply the ``--linear`` choice: ``packed`` (:func:`specdec.kernels.packed_linear` over prepacked
     weights), ``skinny`` (:func:`specdec.kernels.skinny_linear` over the weights as stored), ``torch``
-    (leave as is) or ``auto`` (packed on CPU when the compiled extension is built, and on a CPU with bf16
-    matrix instructions, for bf16, only up to the rows where it beats torch's GEMM: :data:`AMX_PACKED_MAX_ROWS`
-    with AMX tiles, :data:`AVX512_BF16_PACKED_MAX_ROWS` without). ``packed`` and ``skinny`` keep their kernel
-    up to the limit of a CPU without AMX. Returns whether a specdec kernel was installed."""
+    (leave as is) or ``auto`` (packed on CPU when the compiled extension is built, and on an AMX CPU only
+    up to :data:`AMX_PACKED_MAX_ROWS` rows, where it beats torch's GEMM). ``packed`` and ``skinny`` keep
+    their kernel up to the limit of a CPU without AMX. Returns whether a specdec kernel was installed."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear kernel {kernel!r}: use one of {', '.join(LINEAR_KERNELS)}")
     if kernel == "torch":

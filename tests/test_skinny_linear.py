@@ -106,7 +106,7 @@ def test_pack_layout(dtype):
 
 @native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k,n", [(203, 150), (17, 4100)])  # (17, 4100): enough panels to split over threads
+@pytest.mark.parametrize("k,n", [(203, 150), (96, 50), (17, 4100)])  # (17, 4100): enough panels to split over threads
 def test_packed_batch_invariant(dtype, k, n):
     """Every row of an M-row call equals, bit for bit, the row alone, in any other batch (any row
     blocking: 1, 2, 3-6, 6 + 1 and 6 + 2 over panel pairs (odd panel counts too), and several blocks)
@@ -268,26 +268,28 @@ def test_lossless_with_skinny(arch, method, opts, prepack):
 
 
 @native
-@pytest.mark.parametrize("cpu", ["amx", "avx512-bf16", "no-bf16"])
-def test_auto_limits_packed_rows_where_torch_wins(cpu, monkeypatch):
-    """``--linear auto`` hands bf16 products over AMX_PACKED_MAX_ROWS rows to torch's GEMM on a CPU with AMX
-    tiles, and over AVX512_BF16_PACKED_MAX_ROWS on one with AVX-512-BF16 but no tiles (measured faster there);
-    ``packed`` keeps the kernel's own limit, and a CPU without bf16 instructions keeps the kernel in both."""
+@pytest.mark.parametrize("cpu,auto,packed", [
+    ("amx", 8, 256),           # AMX tiles and AVX-512-BF16 (Sapphire Rapids): auto hands over past 8 rows
+    ("avx512-bf16", 256, 256),  # AVX-512-BF16 without tiles (Zen 4): the kernel's pair dot products win to 256
+    ("half-gemm", 64, 64),      # half-precision matrix instructions without AVX-512-BF16 (the other rule)
+    ("avx2", 256, 256),         # no bf16 instructions: torch's bf16 GEMM is a slow fallback
+])
+def test_auto_limits_packed_rows_by_cpu(cpu, auto, packed, monkeypatch):
+    """Where ``--linear auto`` and ``packed`` hand bf16 products to torch's GEMM, per CPU kind (measured: the
+    docstrings of specdec.linear)."""
     import specdec.linear as linear_mod
 
     bf16 = lambda dtype: dtype == torch.bfloat16  # noqa: E731
     monkeypatch.setattr(linear_mod, "cpu_has_matrix_tiles", lambda dtype: cpu == "amx" and bf16(dtype))
-    monkeypatch.setattr(linear_mod, "cpu_has_half_gemm", lambda dtype: cpu != "no-bf16" and bf16(dtype))
+    monkeypatch.setattr(linear_mod, "cpu_has_half_gemm", lambda dtype: cpu != "avx2" and bf16(dtype))
+    monkeypatch.setattr(linear_mod, "cpu_has_bf16_dot", lambda: cpu in ("amx", "avx512-bf16"))
     limits = {}
     for kernel in ("auto", "packed"):
         model = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
         apply_linear_kernel(model, kernel, "cpu")
         limits[kernel] = {m.max_rows for m in model.modules() if isinstance(m, SkinnyLinear)}
-    without = linear_mod.default_max_rows(torch.bfloat16, prepack=True, tiles=False)
-    assert limits["packed"] == {without} and without > linear_mod.AVX512_BF16_PACKED_MAX_ROWS
-    want = {"amx": linear_mod.AMX_PACKED_MAX_ROWS, "avx512-bf16": linear_mod.AVX512_BF16_PACKED_MAX_ROWS,
-            "no-bf16": without}[cpu]
-    assert limits["auto"] == {want}
+    assert limits == {"auto": {auto}, "packed": {packed}}
+    assert auto == (linear_mod.AMX_PACKED_MAX_ROWS if cpu == "amx" else packed)
     fp32 = copy.deepcopy(tiny_model("llama"))
     apply_linear_kernel(fp32, "auto", "cpu")  # fp32 keeps the batch-invariant kernel: the identity tests rely on it
     assert {m.max_rows for m in fp32.modules() if isinstance(m, SkinnyLinear)} == {linear_mod.default_max_rows(torch.float32, True, False)}
