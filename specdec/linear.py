@@ -27,6 +27,7 @@ the CPU go to ``nn.Linear.forward`` (widened as above).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -88,11 +89,13 @@ AMX_PACKED_MAX_ROWS = 8
 @functools.lru_cache(maxsize=None)
 def cpu_has_bf16_dot() -> bool:
     """Whether packed_linear's bf16 products use AVX-512-BF16 pair dot products (``VDPBF16PS``,
-    csrc/packed_linear.cpp), unless ``SPECDEC_BF16_DOT=0`` keeps them on the kernel's fp32 path (an A/B switch
-    that leaves the row limits below as they are). All 211 weights of SmolLM2-135M over M rows, AMD EPYC Zen 4,
+    csrc/packed_linear.cpp), unless ``SPECDEC_BF16_DOT=0`` keeps them on the kernel's fp32 path, with that
+    path's row limits (an A/B switch). All 211 weights of SmolLM2-135M over M rows, AMD EPYC Zen 4,
     one thread, ms, this path / torch's GEMM (bench/results/model_linears_zen4_dot_1t.json): 28.9 / 52.9 at 16
     rows, 87.4 / 110.7 at 64, 317.4 / 340.9 at 256 (the fp32 path, model_linears_zen4_1t.json: 49.2 at 16,
     168.2 at 64), so there the kernel keeps products of up to 256 rows."""
+    if os.environ.get("SPECDEC_BF16_DOT") == "0":
+        return False
     return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
