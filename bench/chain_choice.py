@@ -78,6 +78,8 @@ def draft_probs(model, cache, new: list[int], drafts: list[list[int]]) -> list[l
     draft's earlier tokens (a 4-D mask), at the positions they would take; afterwards the cache holds ``new``
     and nothing of the drafts. Returns ``[D][len(draft)]``: ``p(draft[j] | sequence, new, draft[:j])``.
     """
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        raise ValueError("draft_probs needs SDPA attention: eager attention would add the boolean mask to the scores")
     past, n0 = cache.get_seq_length(), len(new)
     flat, rows = [], []  # rows[i][j]: the output row whose logits predict drafts[i][j]
     for d in drafts:

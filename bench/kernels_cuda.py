@@ -34,9 +34,11 @@ def tree_attention_case(b: int, s: int, t: int, dtype: torch.dtype) -> Case:
     g = torch.Generator().manual_seed(0)
     q, kv_k, kv_v, lens = (x.to(CUDA) for x in _batch_attention_inputs(b, s, t, dtype, g))
     mask = K.pack_mask(torch.stack([_ancestors(random_tree_parents(t, g)) for _ in range(b)])).to(CUDA)
-    # forced: auto leaves large fp32 trees to SDPA, and this case times the Triton kernel
+    # Triton forced on CUDA (auto leaves large fp32 trees to SDPA, and this case times the kernel); the host
+    # check of tests/test_bench.py runs it on CPU tensors, where auto picks the C++ kernel
+    backend = "triton" if q.is_cuda else None
     ours = lambda: K.tree_attention(q, kv_k[:, :, :s], kv_v[:, :, :s], lens, kv_k[:, :, s:], kv_v[:, :, s:],  # noqa: E731
-                                   mask, backend="triton")
+                                   mask, backend=backend)
     base = lambda: tree_attention_sdpa(q, kv_k, kv_v, lens, s, mask)  # noqa: E731
     torch.testing.assert_close(ours().float(), base().float(), atol=2e-2, rtol=2e-2)
     nbytes = 2 * kv_k.numel() * kv_k.element_size() + q.numel() * q.element_size()

@@ -207,6 +207,8 @@ SPECDEC_TARGET_AVX512BF16 SPECDEC_INLINE void rows(const Args& a, __m512i idx, i
             case 7: micro<7, NP>(a, idx, m, p); break;
             default: micro<8, NP>(a, idx, m, p); break;
           }
+        } else {
+          TORCH_INTERNAL_ASSERT(false, "packed_linear: a block of ", r, " rows over ", MAXR);
         }
     }
     m += r;

@@ -83,7 +83,7 @@ def test_chain_choice_draft_probs_match_separate_forwards():
 
     from bench.chain_choice import draft_probs, expected_accepted
 
-    model = tiny_model("llama")
+    model = tiny_model.__wrapped__("llama")  # a fresh one: the cached model may carry another test's attention
     seq = [3, 17, 42, 5, 17, 42, 9, 11]
     cache = DynamicCache(config=model.config)
     drafts = [[5, 17, 42], [9], [5, 30], [60, 61, 62, 63]]

@@ -3,6 +3,9 @@ layout, losslessness."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from torch import nn
 
 from specdec.api import SpecDecoder, hf_generate
 from specdec.kernels import has_native, pack_linear_weight, packed_linear, reference, skinny_linear
-from specdec.linear import cpu_has_half_gemm, SkinnyLinear, apply_linear_kernel, use_skinny_linear
+from specdec.linear import cpu_has_bf16_dot, cpu_has_half_gemm, SkinnyLinear, apply_linear_kernel, use_skinny_linear
 from specdec.verify import SamplingConfig
 from tests.conftest import tiny_model
 
@@ -109,8 +112,8 @@ def test_pack_layout(dtype):
 @pytest.mark.parametrize("k,n", [(203, 150), (96, 50), (17, 4100)])  # (17, 4100): enough panels to split over threads
 def test_packed_batch_invariant(dtype, k, n):
     """Every row of an M-row call equals, bit for bit, the row alone, in any other batch (any row
-    blocking: 1, 2, 3-6, 6 + 1 and 6 + 2 over panel pairs (odd panel counts too), and several blocks)
-    and with one thread or two."""
+    blocking: the fp32 path's 1, 2, 3-6, 6 + 1 and 6 + 2 over panel pairs (odd panel counts too), the bf16
+    pair-dot path's four panels up to 4 rows and two past that, and several blocks) and with one thread or two."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(20, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -119,7 +122,7 @@ def test_packed_batch_invariant(dtype, k, n):
     full = packed_linear(x, packed, n, b, backend="cpp")
     for i in range(20):
         assert torch.equal(packed_linear(x[i:i + 1], packed, n, b, backend="cpp")[0], full[i])
-    for lo, hi in [(0, 2), (3, 6), (5, 12), (2, 13), (1, 9), (4, 20), (12, 20)]:
+    for lo, hi in [(0, 2), (0, 4), (0, 5), (3, 6), (5, 12), (2, 13), (1, 9), (4, 20), (12, 20)]:
         assert torch.equal(packed_linear(x[lo:hi], packed, n, b, backend="cpp"), full[lo:hi])
     threads = torch.get_num_threads()
     try:
@@ -131,6 +134,30 @@ def test_packed_batch_invariant(dtype, k, n):
 
 
 @native
+@pytest.mark.skipif(not cpu_has_bf16_dot(),
+                    reason="the bf16 pair-dot path needs a CPU with AVX-512-BF16")
+def test_bf16_dot_path_agrees_with_fp32_path(tmp_path):
+    """The pair-dot path (this process) and the fp32 path (a process with SPECDEC_BF16_DOT=0, read once per
+    process) give the same products up to fp32 summation order, odd K and a bias included."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(11, 203, generator=g).to(torch.bfloat16)
+    w = torch.randn(70, 203, generator=g).to(torch.bfloat16)
+    b = torch.randn(70, generator=g).to(torch.bfloat16)
+    torch.save((x, w, b), tmp_path / "in.pt")
+    code = ("import sys, torch; from specdec.kernels import pack_linear_weight, packed_linear; "
+            "x, w, b = torch.load(sys.argv[1]); "
+            "torch.save(packed_linear(x, pack_linear_weight(w), w.shape[0], b, backend='cpp'), sys.argv[2])")
+    env = {**os.environ, "SPECDEC_BF16_DOT": "0"}
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                   check=True)
+    fp32_path = torch.load(tmp_path / "out.pt")
+    dot = packed_linear(x, pack_linear_weight(w), 70, b, backend="cpp")
+    torch.testing.assert_close(dot.float(), fp32_path.float(), atol=0.05, rtol=0.02)
+    ref = (x.float() @ w.float().T + b.float()).to(torch.bfloat16)
+    torch.testing.assert_close(dot.float(), ref.float(), atol=0.05, rtol=0.02)
+
+
+@native
 @pytest.mark.parametrize("kernel", ["skinny", "packed"])
 def test_empty_dims(kernel):
     """K = 0 gives the bias; M = 0 and N = 0 give empty results."""
@@ -138,6 +165,9 @@ def test_empty_dims(kernel):
     torch.testing.assert_close(_linear(kernel, torch.randn(3, 0), torch.randn(5, 0), b), b.expand(3, 5))
     assert _linear(kernel, torch.randn(0, 8), torch.randn(5, 8), b).shape == (0, 5)
     assert _linear(kernel, torch.randn(2, 8), torch.randn(0, 8), None).shape == (2, 0)
+    bf = torch.bfloat16  # the bf16 pair-dot path where the CPU has AVX-512-BF16
+    torch.testing.assert_close(_linear(kernel, torch.randn(3, 0, dtype=bf), torch.randn(5, 0, dtype=bf), b.to(bf)),
+                               b.to(bf).expand(3, 5))
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("cpp", marks=native)])
@@ -269,9 +299,9 @@ def test_lossless_with_skinny(arch, method, opts, prepack):
 
 @native
 @pytest.mark.parametrize("cpu,auto,packed", [
-    ("amx", 8, 256),           # AMX tiles and AVX-512-BF16 (Sapphire Rapids): auto hands over past 8 rows
+    ("amx", 8, 64),             # AMX tiles and AVX-512-BF16 (Sapphire Rapids): auto hands over past 8 rows
     ("avx512-bf16", 256, 256),  # AVX-512-BF16 without tiles (Zen 4): the kernel's pair dot products win to 256
-    ("half-gemm", 64, 64),      # half-precision matrix instructions without AVX-512-BF16 (the other rule)
+    ("avx512-bf16, dot off", 64, 64),  # the same CPU with SPECDEC_BF16_DOT=0: the fp32 path's limits
     ("avx2", 256, 256),         # no bf16 instructions: torch's bf16 GEMM is a slow fallback
 ])
 def test_auto_limits_packed_rows_by_cpu(cpu, auto, packed, monkeypatch):
@@ -289,7 +319,6 @@ def test_auto_limits_packed_rows_by_cpu(cpu, auto, packed, monkeypatch):
         apply_linear_kernel(model, kernel, "cpu")
         limits[kernel] = {m.max_rows for m in model.modules() if isinstance(m, SkinnyLinear)}
     assert limits == {"auto": {auto}, "packed": {packed}}
-    assert auto == (linear_mod.AMX_PACKED_MAX_ROWS if cpu == "amx" else packed)
     fp32 = copy.deepcopy(tiny_model("llama"))
     apply_linear_kernel(fp32, "auto", "cpu")  # fp32 keeps the batch-invariant kernel: the identity tests rely on it
     assert {m.max_rows for m in fp32.modules() if isinstance(m, SkinnyLinear)} == {linear_mod.default_max_rows(torch.float32, True, False)}

@@ -61,7 +61,8 @@ def tree_attention_triton_pays(dtype: torch.dtype, t: int) -> bool:
 
     Its fp32 path (exact ``ieee`` dots on tiles sized for bf16) was measured on an H100 at 2.95x SDPA with
     8 queries but 0.07-0.19x with 64 (bench/RESULTS.md, GPU); past ``TRITON_FP32_MAX_TREE`` fp32 queries the
-    torch reference (SDPA over a dense mask) runs instead. fp16/bf16 beat SDPA at every measured shape.
+    torch reference (SDPA over a dense mask) runs instead. bf16 beat SDPA at every measured shape (fp16 was not
+    measured and keeps the kernel).
     """
     return dtype != torch.float32 or t <= TRITON_FP32_MAX_TREE
 
