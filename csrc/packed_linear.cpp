@@ -162,8 +162,9 @@ SPECDEC_TARGET_AVX512BF16 SPECDEC_INLINE void micro(const Args& a, __m512i idx, 
     for (int p = 0; p < NP; ++p) {
       const uint16_t* step = w + (p * K + 2 * kp) * kPanel;
       _mm_prefetch(reinterpret_cast<const char*>(step) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512i v = 2 * kp + 1 < K ? _mm512_loadu_si512(step)  // steps k and k + 1
-                                       : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step)));
+      const __m512i v = 2 * kp + 1 < K  // steps k and k + 1; past an odd K, step k and zeros
+                            ? _mm512_loadu_si512(step)
+                            : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step)));
       wv[p] = _mm512_permutexvar_epi16(idx, v);
     }
 #pragma GCC unroll 8

@@ -8,7 +8,7 @@ batch-invariant (a row's result does not depend on which other rows share the ca
 tokens agrees bit for bit with one-token decoding through every linear layer. On a CPU with AMX tiles
 ``--linear auto`` gives bf16 products over :data:`AMX_PACKED_MAX_ROWS` rows to torch's GEMM, which is
 faster there and not batch-invariant: a wide verification may then round differently from one-token steps
-in bf16 (never in fp32); ``--linear packed`` keeps the kernel, and bit-exact bf16, up to 64 rows (256 on a CPU
+in bf16 (never in fp32); ``--linear packed`` keeps the kernel, and bit-exact bf16, up to 64 rows (1024 on a CPU
 with AVX-512-BF16 and no AMX, where the kernel's pair dot products beat torch's GEMM up to there).
 
 Prefill has the opposite problem: a bf16/fp16 product over many rows on such a CPU is 3-6x slower
@@ -87,14 +87,20 @@ def cpu_has_matrix_tiles(dtype: torch.dtype) -> bool:
 AMX_PACKED_MAX_ROWS = 8
 
 
+# Rows up to which packed_linear's bf16 pair dot products take a product on a CPU without AMX tiles.
+BF16_DOT_MAX_ROWS = 1024
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_has_bf16_dot() -> bool:
     """Whether packed_linear's bf16 products use AVX-512-BF16 pair dot products (``VDPBF16PS``,
     csrc/packed_linear.cpp), unless ``SPECDEC_BF16_DOT=0`` keeps them on the kernel's fp32 path, with the row
-    limits that path had (64 without AMX tiles; an A/B switch). All 211 weights of SmolLM2-135M over M rows, AMD EPYC Zen 4,
-    one thread, ms, this path / torch's GEMM (bench/results/model_linears_zen4_dot_1t.json): 28.9 / 52.9 at 16
-    rows, 87.4 / 110.7 at 64, 317.4 / 340.9 at 256 (the fp32 path, model_linears_zen4_1t.json: 49.2 at 16,
-    168.2 at 64), so there the kernel keeps products of up to 256 rows."""
+    limits that path had (64 without AMX tiles; an A/B switch). All 211 weights of SmolLM2-135M over M rows,
+    AMD EPYC Zen 4, one thread, ms, this path / torch's GEMM (bench/results/model_linears_zen4_dot_1t.json):
+    28.9 / 52.9 at 16 rows, 87.4 / 110.7 at 64, 317.4 / 340.9 at 256 (the fp32 path, model_linears_zen4_1t.json:
+    49.2 at 16, 168.2 at 64), and 652.2 / 691.4 at 512, 1309.3 / 1366.9 at 1024
+    (model_linears_zen4_dot_long_1t.json), so there the kernel keeps products of up to :data:`BF16_DOT_MAX_ROWS`
+    rows, prompts included."""
     if os.environ.get("SPECDEC_BF16_DOT") == "0":
         return False
     return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
@@ -108,12 +114,13 @@ def default_max_rows(dtype: torch.dtype, prepack: bool = False, tiles: bool = Fa
     - ``packed_linear`` (prepack): faster than torch's fp32 GEMM and the widened one at every size
       measured up to 256 rows (a [1536, 576] product over 256 rows: 2.4 ms against 2.6 ms fp32 and
       2.9 ms widened bf16). Past that the kernel, which streams all rows of x once per panel, is not
-      blocked for cache, so 256 is its limit.
+      blocked for cache, so 256 is its limit there (the bf16 pair-dot path below still wins at 1024 rows).
 
-    With AVX-512-BF16 but no AMX tiles (:func:`cpu_has_bf16_dot`; measured on an AMD Zen 4) the packed kernel's
-    bf16 products beat torch's GEMM up to 256 rows. With ``tiles`` and AMX tiles for ``dtype``
-    (:func:`cpu_has_matrix_tiles`), torch's GEMM wins from 9 rows on: :data:`AMX_PACKED_MAX_ROWS` (measured
-    before the pair dot products, which also run on such CPUs; not measured since). Otherwise, on a CPU with
+    With AVX-512-BF16 but no AMX tiles (:func:`cpu_has_bf16_dot`; measured on an AMD Zen 4) the packed
+    kernel's bf16 products beat torch's GEMM up to 1024 rows (:data:`BF16_DOT_MAX_ROWS`). With ``tiles`` and
+    AMX tiles for ``dtype`` (:func:`cpu_has_matrix_tiles`), torch's GEMM wins from 9 rows on:
+    :data:`AMX_PACKED_MAX_ROWS` (measured before the pair dot products, which also run on such CPUs; not measured
+    since). Otherwise, on a CPU with
     half-precision matrix instructions (:func:`cpu_has_half_gemm`), both kernels keep 64 rows: bf16 on an AMX
     CPU without ``tiles`` or with ``SPECDEC_BF16_DOT=0``, and fp16, which was not measured."""
     if prepack and tiles and cpu_has_matrix_tiles(dtype):
@@ -121,7 +128,7 @@ def default_max_rows(dtype: torch.dtype, prepack: bool = False, tiles: bool = Fa
     if prepack and not cpu_has_half_gemm(dtype):
         return 256
     if prepack and dtype == torch.bfloat16 and cpu_has_bf16_dot() and not cpu_has_matrix_tiles(dtype):
-        return 256
+        return BF16_DOT_MAX_ROWS
     return 16 if dtype == torch.float32 else 64
 
 

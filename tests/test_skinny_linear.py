@@ -300,7 +300,7 @@ def test_lossless_with_skinny(arch, method, opts, prepack):
 @native
 @pytest.mark.parametrize("cpu,auto,packed", [
     ("amx", 8, 64),             # AMX tiles and AVX-512-BF16 (Sapphire Rapids): auto hands over past 8 rows
-    ("avx512-bf16", 256, 256),  # AVX-512-BF16 without tiles (Zen 4): the kernel's pair dot products win to 256
+    ("avx512-bf16", 1024, 1024),  # AVX-512-BF16 without tiles (Zen 4): the kernel's pair dot products win to 1024
     ("avx512-bf16, dot off", 64, 64),  # the same CPU with SPECDEC_BF16_DOT=0: the fp32 path's limits
     ("avx2", 256, 256),         # no bf16 instructions: torch's bf16 GEMM is a slow fallback
 ])
