@@ -255,6 +255,24 @@ def test_a_batch_is_cut_to_one_width_and_learns_from_the_nodes_it_kept():
     assert drafter.allocation["context_accepted"] == 4
 
 
+def test_update_credits_the_draft_of_the_cut_trees_last_accepted_node():
+    """When the decode loop cut the proposed trie, update() finds each kept node's draft through the cut tree's
+    origin: here the cut keeps proposed nodes 0 and 2, and accepting cut node 1 credits proposed node 2's draft
+    (a context match), not proposed node 1's (a bigram row)."""
+    from specdec.drafters.base import DecodeState
+    from specdec.drafters.ngrammys import NGrammysDrafter
+
+    drafter = NGrammysDrafter(None, k=2, w=1, strategy="context")
+    drafter._slot_source = torch.tensor([[0, 1]])  # draft 0 from the bigram table, draft 1 a context match
+    drafter._chain_of_node = torch.tensor([[0, 0, 1]])  # proposed nodes: root, draft 0's token, draft 1's token
+    drafter._slot = None
+    tree = DraftTree.from_parents(torch.tensor([[5, 8]]), torch.tensor([[-1, 0]]))
+    tree.origin = torch.tensor([[0, 2]])
+    state = DecodeState(torch.tensor([[1, 2, 5]]), torch.tensor([3]), [3])
+    drafter.update(state, tree, torch.tensor([[0, 1]]), [2], [1])
+    assert drafter.allocation["context_accepted"] == 1 and drafter.allocation["bigram_accepted"] == 0
+
+
 def test_best_chain_is_the_path_with_the_most_expected_tokens():
     from specdec.drafters.ngrammys import best_chain
 
