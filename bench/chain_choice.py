@@ -128,7 +128,8 @@ def replay(records, drafter: NGrammysDrafter, tables: list[NodeAcceptance], rule
     for rec in records:
         ids = [int(t) for t in rec.ids]
         outcome = 0
-        cache, scored = (DynamicCache(config=draft_model.config), 0) if rule == "draft" else (None, 0)
+        cache = DynamicCache(config=draft_model.config) if rule == "draft" else None
+        scored = 0  # tokens of ids the draft model's cache holds
         pos = rec.prompt_len  # tokens known before the call; the reply's tokens from here are what the target emits
         while pos < len(ids):
             # the target's first reply token comes from the prompt's forward: decoding starts after it
