@@ -105,6 +105,33 @@ def test_tree_attention_cuda(dtype, t, s, backend):
     torch.testing.assert_close(got.cpu().float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 16)])
+@pytest.mark.parametrize("m", [1, 5, 24, 300])  # GEMV path (with split K), tl.dot path
+def test_quant_linear_cuda(m, bits, group, dtype):
+    pytest.importorskip("triton")
+    from specdec.kernels import quant_reference
+    from specdec.triton_kernels.quant_linear import quant_linear
+
+    g = gen(m + bits)
+    n, k = 1000, 2048
+    if bits == 8:
+        codes = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    else:
+        codes = quant_reference.pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    minv = torch.randn(n, k // group, generator=g) * 0.1
+    bias = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    want = quant_reference.quant_linear(x, codes, scale, minv, bits, group, bias)
+    got = quant_linear(*[t.to(CUDA) for t in (x, codes, scale, minv)], bits, group, bias.to(CUDA))
+    w = quant_reference.quant_linear_dequantize(codes, scale, minv, bits, group)
+    mag = float((x.float().abs() @ w.abs().T).max())
+    rtol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.is_cuda and got.dtype == dtype
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=rtol, atol=1e-5 * mag)
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_tree_verify_greedy_cuda(seed):
     g = gen(seed)
