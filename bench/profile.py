@@ -288,7 +288,10 @@ def forward_split(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------
 
 MODEL_LINEARS = """The linear layers of one target forward over M rows, alone: every weight of the model through the packed
-kernel (``--kernels packed,torch``: also through torch's GEMM, ``F.linear``, on the same weights).
+kernel (``--kernels packed,torch``: also through torch's GEMM, ``F.linear``, on the same weights; ``quant``: the
+quantized-weight kernel over the GGUF's blocks as stored, csrc/quant_linear.cpp, with the bytes it reads).
+
+    OMP_NUM_THREADS=2 python -m bench.profile model-linears --dtype bf16 --rows 1,4,16,64 --kernels quant,packed,torch
 
     OMP_NUM_THREADS=1 python -m bench.profile model-linears --dtype bf16 --rows 1,2,4,5,6,8,12 --json out.json
     OMP_NUM_THREADS=1 python -m bench.profile model-linears --dtype bf16 --rows 4,6,7,8,16,32,64 --kernels packed,torch
@@ -306,19 +309,23 @@ def model_linears(args: argparse.Namespace) -> None:
 
     rows = [int(r) for r in args.rows.split(",")]
     kernels = args.kernels.split(",")
-    if not kernels or any(k not in ("packed", "torch") for k in kernels):
-        raise SystemExit(f"--kernels takes packed and/or torch, got {args.kernels!r}")
-    model, _ = load_model(args.model, args.dtype, linear="packed")
+    if not kernels or any(k not in ("packed", "torch", "quant") for k in kernels):
+        raise SystemExit(f"--kernels takes packed, torch and/or quant, got {args.kernels!r}")
+    model, _ = load_model(args.model, args.dtype, linear="packed", weights="gguf" if "quant" in kernels else "dense")
     layers = specdec_linears(model)
     op = torch.ops.specdec.packed_linear
     best = Best()
 
     def all_layers(kernel, xs):
         for lin in layers:
+            x = xs[lin.in_features]
             if kernel == "packed":
-                op(xs[lin.in_features], lin.packed_weight(), lin.out_features, lin.bias)
+                op(x, lin.packed_weight(), lin.out_features, lin.bias)
+            elif kernel == "quant":
+                q = lin.qweight
+                torch.ops.specdec.quant_linear(x, q.packed, q.n, q.k, q.bits, q.group, q.has_min, q.f16_scale, lin.bias)
             else:
-                torch.nn.functional.linear(xs[lin.in_features], lin.weight, lin.bias)
+                torch.nn.functional.linear(x, lin.weight, lin.bias)
 
     with torch.inference_mode():
         for r in range(args.repeats):
@@ -329,11 +336,14 @@ def model_linears(args: argparse.Namespace) -> None:
     mb = sum(lin.weight.numel() * lin.weight.element_size() for lin in layers) / 2**20
     out = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "layers": len(layers),
            "weight_mib": round(mb, 1), "cpu": cpu_name()}
+    if "quant" in kernels:
+        out["quant_mib"] = round(sum(lin.qweight.nbytes for lin in layers) / 2**20, 1)
     for kernel in kernels:
         key = "ms" if kernel == "packed" else f"ms_{kernel}"
         out[key] = {m: round(best.ms((kernel, m)), 2) for m in rows}
-        print(f"{kernel}: {len(layers)} weights, {mb:.0f} MiB, {out['threads']} threads, best of {args.repeats}, ms: "
-              + "  ".join(f"M={m}: {v:.1f}" for m, v in out[key].items()))
+        size = out["quant_mib"] if kernel == "quant" else mb
+        print(f"{kernel}: {len(layers)} weights, {size:.0f} MiB, {out['threads']} threads, best of {args.repeats}, ms: "
+              + "  ".join(f"M={m}: {v:.1f} ({size * 2**20 / v / 1e6:.1f} GB/s)" for m, v in out[key].items()))
     finish(out, args.json)
 
 
@@ -502,6 +512,22 @@ def linear(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------
 
 
+STREAM = """The machine's memory read bandwidth: the best of repeated sums over a 512 MiB fp32 tensor with torch's threads
+(``specdec.bench.stream_bandwidth``, which ``specdec bench`` also runs and prints beside each method's weight bytes read
+per second). A one-row decode step that reads B bytes of weights takes at least B over this.
+
+    OMP_NUM_THREADS=2 python -m bench.profile stream
+"""
+
+
+def stream(args: argparse.Namespace) -> None:
+    from specdec.bench import stream_bandwidth
+
+    bw = stream_bandwidth(args.seconds)
+    print(f"stream read bandwidth: {bw / 1e9:.1f} GB/s ({torch.get_num_threads()} threads, {cpu_name()})")
+    finish({"stream_bytes_per_s": bw, "threads": torch.get_num_threads(), "cpu": cpu_name()}, args.json)
+
+
 def parser() -> argparse.ArgumentParser:
     from specdec.linear import LINEAR_KERNELS
 
@@ -541,6 +567,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kernels", default="packed", help="packed and/or torch (F.linear on the same weights)")
     p.set_defaults(run=model_linears)
+
+    p = subcommand(subs, "stream", STREAM, dtype=None)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.set_defaults(run=stream)
 
     p = subcommand(subs, "prefill", PREFILL)
     p.add_argument("--prompts", default=DEV_PROMPTS)

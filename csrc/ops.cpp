@@ -24,6 +24,9 @@ TORCH_LIBRARY(specdec, m) {
         "Tensor? tree_mask, float? scale=None, Tensor? tree_positions=None, int? window=None) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int n, int k, int bits, int group, bool has_min, bool f16_scale, "
+        "Tensor? bias=None) -> Tensor");
+  m.def("quant_dequantize(Tensor packed, int n, int k, int bits, int group, bool has_min, bool f16_scale) -> Tensor");
   m.def("tree_verify_greedy(Tensor tokens, Tensor parents, Tensor target_logits, Tensor? valid=None) -> "
         "(Tensor path, Tensor length, Tensor next_token)");
   m.def("draft_tree(Tensor root, Tensor drafts, bool merge=True, Tensor? accept=None, Tensor? cost=None, "

@@ -19,6 +19,8 @@ from specdec import methods
 from specdec.api import SpecDecoder, hf_generate
 from specdec.bench_summary import cpu_name, format_table, summarize
 from specdec.draft_models import is_feature_draft
+from specdec.gguf_weights import dense_weights
+from specdec.linear import weight_bytes
 from specdec.methods import parse_label
 from specdec.prompts import Prompt, read_prompts
 from specdec.verify import SamplingConfig
@@ -52,14 +54,34 @@ class _CallCounter:
 
 def _run_one(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
     method, own = parse_label(label)
+    if method in HF_METHODS:  # transformers' model as a transformers user has it: dense weights
+        with dense_weights(dec.model):
+            return _run_hf(dec, method, own, prompt, max_new, sampling)
+    res = dec.generate_ids([prompt], method, max_new, sampling, **{**options.get(method, {}), **own})
+    return res.tokens[0], res.stats
+
+
+def _run_hf(dec: SpecDecoder, method: str, own: dict, prompt: list[int], max_new: int, sampling: SamplingConfig):
     if method == "hf":
         return hf_generate(dec.model, prompt, max_new, sampling), None
     if method == "hf-pld":
         return hf_generate(dec.model, prompt, max_new, sampling, prompt_lookup_num_tokens=10), None
     if method == "hf-assisted":
-        return hf_generate(dec.model, prompt, max_new, sampling, assistant_model=dec.get_draft(own.get("draft"))[0]), None
-    res = dec.generate_ids([prompt], method, max_new, sampling, **{**options.get(method, {}), **own})
-    return res.tokens[0], res.stats
+    return hf_generate(dec.model, prompt, max_new, sampling, assistant_model=dec.get_draft(own.get("draft"))[0]), None
+
+
+def stream_bandwidth(seconds: float = 0.5, mib: int = 512) -> float:
+    """The machine's memory read bandwidth in bytes/s with torch's threads: the best of repeated sums over a
+    ``mib`` MiB fp32 tensor (far past the caches), for about ``seconds``. The floor of a one-row decode step is
+    the bytes of weights it reads over this."""
+    a = torch.ones(mib * 2**20 // 4)
+    best, end = float("inf"), time.perf_counter() + seconds
+    a.sum()  # first touch
+    while time.perf_counter() < end or best == float("inf"):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 4 / best
 
 
 def _prepare(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
@@ -100,6 +122,12 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
             raise ValueError("hf-assisted cannot drive a feature-conditioned (EAGLE) draft: transformers' assisted "
                              "generation does not hand it the target's hidden states; use sd")
     labels = ["hf"] + [m for m in labels if m != "hf"]
+    with dense_weights(dec.model):
+        dense_bytes = weight_bytes(dec.model)
+    held_bytes = weight_bytes(dec.model)
+    if config is not None:
+        config = {**config, "weight_bytes": held_bytes, "dense_weight_bytes": dense_bytes,
+                  "stream_bytes_per_s": stream_bandwidth()}
     dec.wait_compiled()  # compile="auto": every timed run takes one path (the summary's "path" says which)
     target_calls = _CallCounter(dec.model, runners=[dec.runner])
     draft_calls = _CallCounter(*[m for m, _ in dec.drafts.values()], runners=[r for _, r in dec.drafts.values()])
@@ -124,6 +152,7 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
             run = {
                 "method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(tokens),
                 "seconds": seconds, "prefill_seconds": stats.prefill_s if stats else None,
+                "weight_bytes": dense_bytes if parse_label(m)[0] in HF_METHODS else held_bytes,
                 "target_calls": target_calls.take(), "draft_calls": draft_calls.take() + (stats.remote_draft_calls if stats else 0),
                 "compiled_target_calls": dec.runner.compiled_calls - compiled_before,
                 "drafted_tokens": stats.drafted_tokens if stats else None,
@@ -147,9 +176,9 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
 
 
 def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int, sampling: SamplingConfig,
-                 linear: str = "torch", compile: bool = False) -> dict:
+                 linear: str = "torch", compile: bool = False, weights: str = "dense") -> dict:
     return {
-        "model": model, "draft": draft, "dtype": dtype, "linear": linear, "compile": compile,
+        "model": model, "draft": draft, "dtype": dtype, "linear": linear, "compile": compile, "weights": weights,
         "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
         "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -58,8 +58,13 @@ def summarize(runs: list[dict], reference: str = "hf") -> dict:
         drafter: dict = {}
         for r in rs:  # sum drafter counters (e.g. ngrammys' allocation per source) over prompts
             drafter = add_counters(drafter, r.get("drafter") or {})
+        # Weights read per second of decoding: bytes held x target forwards after the prompt's, over the time
+        # after the prompt (hf reports no prompt time: its figure includes the prompt and reads low).
+        decode_s = sum(r["seconds"] - (r.get("prefill_seconds") or 0.0) for r in rs)
+        read = sum(r.get("weight_bytes", 0) * max(r["target_calls"] - 1, 0) for r in rs)
         summary[m] = {
             "tokens_per_second": tokens / seconds if seconds else 0.0,
+            "weight_bytes_per_s": read / decode_s if decode_s and read else None,
             "tokens_per_call": tokens / calls if calls else None,
             "accept_rate": sum(accepted) / sum(drafted) if drafted and sum(drafted) else None,
             "identical_rate": sum(ident) / len(ident) if ident else None,
@@ -76,11 +81,18 @@ def summarize(runs: list[dict], reference: str = "hf") -> dict:
 def format_table(result: dict) -> str:
     """The summary as a fixed-width text table."""
     w = max([12] + [len(m) + 1 for m in result["summary"]])
-    head = f"{'method':<{w}}{'tok/s':>9}{'speedup':>9}{'tok/call':>10}{'accept':>8}{'identical':>11}"
+    head = f"{'method':<{w}}{'tok/s':>9}{'speedup':>9}{'tok/call':>10}{'accept':>8}{'identical':>11}{'GB/s':>7}"
     lines = [head, "-" * len(head)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for m, s in result["summary"].items():
+        gbs = s.get("weight_bytes_per_s")
         lines.append(f"{m:<{w}}{s['tokens_per_second']:>9.1f}{fmt(s['speedup'], '.2f') + 'x':>9}"
                      f"{fmt(s['tokens_per_call'], '.2f'):>10}{fmt(s['accept_rate'], '.2f'):>8}"
-                     f"{fmt(s['identical_rate'], '.0%'):>11}")
+                     f"{fmt(s['identical_rate'], '.0%'):>11}{fmt(gbs and gbs / 1e9, '.1f'):>7}")
+    cfg = result.get("config", {})
+    if cfg.get("stream_bytes_per_s"):
+        lines.append(f"GB/s: target weights read per second of decoding ({cfg['weight_bytes'] / 1e6:.1f} MB a forward "
+                     f"as held, weights={cfg.get('weights', '?')}; hf: {cfg['dense_weight_bytes'] / 1e6:.1f} MB dense, "
+                     f"prompt time included); this machine's measured stream (read) bandwidth: "
+                     f"{cfg['stream_bytes_per_s'] / 1e9:.1f} GB/s")
     return "\n".join(lines)

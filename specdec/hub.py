@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,12 +63,30 @@ def _gguf_path(name: str) -> Path:
 
 def embedded_path(name: str) -> Path:
     """Folder of the safetensors conversion of embedded model ``name``, converting it on first use."""
-    out = cache_dir() / name
+    return _converted(cache_dir() / name, lambda: _gguf_path(name))
+
+
+def gguf_file_path(path: Path) -> Path:
+    """Folder of the safetensors conversion of a user's GGUF file, converting it on first use (keyed by the
+    file's name, size and modification time)."""
+    st = path.stat()
+    return _converted(cache_dir() / "gguf-models" / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}", lambda: path)
+
+
+def gguf_source(name_or_path: str) -> Path | None:
+    """The GGUF file a model name or path is loaded from (an embedded model, or a ``.gguf`` path), else None."""
+    if name_or_path in EMBEDDED:
+        return _gguf_path(name_or_path)
+    path = Path(name_or_path).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def _converted(out: Path, source) -> Path:
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path(name)
+    gguf = source()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are dequantised now: drop the GGUF quantisation marker so the model serialises.
@@ -76,6 +95,7 @@ def embedded_path(name: str) -> Path:
     model.hf_quantizer = None
     model.is_quantized = False
     tmp = out.with_name(out.name + ".tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(out)  # atomic: a half-written conversion is never mistaken for a finished one
@@ -90,10 +110,13 @@ def resolve(name_or_path: str) -> Path:
     if name_or_path in DRAFTS:
         return DRAFTS[name_or_path]
     path = Path(name_or_path).expanduser()
+    if gguf_source(name_or_path) is not None:
+        return gguf_file_path(path)
     if (path / "config.json").exists():
         return path
     raise ValueError(
-        f"unknown model {name_or_path!r}: use one of {sorted(EMBEDDED) + sorted(DRAFTS)} or a local transformers model folder")
+        f"unknown model {name_or_path!r}: use one of {sorted(EMBEDDED) + sorted(DRAFTS)}, a .gguf file or a local "
+        "transformers model folder")
 
 
 def tokenizer_path(path: Path) -> Path:
@@ -105,11 +128,23 @@ def tokenizer_path(path: Path) -> Path:
     return resolve(target) if target else path
 
 
-def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str = "cpu", linear: str = "torch"):
+def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str = "cpu", linear: str = "torch",
+               weights: str = "auto"):
     """Load ``(model, tokenizer)`` for a causal LM; ``dtype`` is ``fp32``, ``bf16`` or ``fp16``.
 
     linear: ``torch`` (as loaded), ``packed``, ``skinny`` or ``auto`` (see :mod:`specdec.linear`).
+    weights: ``gguf`` (the linear layers compute from the GGUF's quantized blocks as stored,
+    :mod:`specdec.gguf_weights`), ``dense`` (transformers' dense weights) or ``auto`` (``gguf`` for a model
+    that comes from a GGUF file: ``smollm2``, ``gemma3-270m`` or a ``.gguf`` path; else ``dense``).
     """
+    from specdec.gguf_weights import WEIGHTS, apply_gguf_weights
+
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}: use one of {', '.join(WEIGHTS)}")
+    source = gguf_source(name_or_path) if isinstance(name_or_path, str) else None
+    if weights == "gguf" and source is None:
+        raise ValueError(f"--weights gguf needs a model that comes from a GGUF file (smollm2, gemma3-270m or a "
+                         f".gguf path), not {name_or_path!r}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(dtype, str):
@@ -127,5 +162,12 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str
         raise ValueError(f"unsupported model at {path}: specdec needs a decoder-only causal LM")
     model.to(device).eval()
     apply_linear_kernel(model, linear, device)
+    if source is not None and weights != "dense":
+        try:
+            apply_gguf_weights(model, source)
+        except ValueError as exc:  # e.g. a block type without a kernel: auto keeps the dense weights
+            if weights == "gguf":
+                raise
+            warnings.warn(f"{name_or_path}: computing with dense weights ({exc})", stacklevel=2)
     return model, tok
 

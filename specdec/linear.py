@@ -177,6 +177,14 @@ class SkinnyLinear(nn.Linear):
             self._packed_src, self._packed_version = w.detach(), version
         return self._packed
 
+    def bytes_read(self) -> int:
+        """Bytes of weights one product reads (the dense weight as held)."""
+        return self.weight.numel() * self.weight.element_size()
+
+    def compiled_inputs(self) -> list[torch.Tensor]:
+        """The tensors a compiled forward reads as they are (kept static and up to date by :func:`refresh_packed`)."""
+        return [self.packed_weight()] if self.prepack and self.weight.device.type == "cpu" else []
+
     def repack(self) -> None:
         """Drop the packed weight; the next CPU product rebuilds it."""
         self._packed = self._packed_src = self._packed_version = None
@@ -220,10 +228,20 @@ def refresh_packed(model: nn.Module) -> None:
     """Bring every prepacked :class:`SkinnyLinear` of ``model`` up to date with its weight (a compiled
     forward reads the packed copies as they are; eager forwards check them on each call)."""
     for m in model.modules():
-        if isinstance(m, SkinnyLinear) and m.prepack and m.weight.device.type == "cpu":
+        if isinstance(m, SkinnyLinear):
             # Static under torch.compile(dynamic=True): a panel count that happens to equal some dynamic
             # size (the cache length) would otherwise be unified with it into one symbol.
-            torch._dynamo.mark_static(m.packed_weight())
+            for t in m.compiled_inputs():
+                torch._dynamo.mark_static(t)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one forward of ``model`` reads through its linear layers, as the layers hold them
+    (quantized blocks for :class:`specdec.gguf_weights.QuantLinear`, dense weights otherwise; the embedding,
+    read a row a token, is left out). Times target forwards over seconds, it is the memory bandwidth a decode
+    achieved (gpt-fast's measure)."""
+    return sum(m.bytes_read() if isinstance(m, SkinnyLinear) else m.weight.numel() * m.weight.element_size()
+               for m in model.modules() if isinstance(m, nn.Linear))
 
 
 def use_skinny_linear(model: nn.Module, max_rows: int | None = None, prepack: bool = False,

@@ -86,6 +86,20 @@ def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int, bias: tor
     return x.new_empty((x.shape[0], n))
 
 
+@torch.library.register_fake("specdec::quant_linear")
+def _quant_linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bits: int, group: int, has_min: bool,
+                       f16_scale: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``[M, n]`` in x's dtype."""
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("specdec::quant_dequantize")
+def _quant_dequantize_fake(packed: torch.Tensor, n: int, k: int, bits: int, group: int, has_min: bool,
+                           f16_scale: bool) -> torch.Tensor:
+    """``[n, k]`` fp32."""
+    return packed.new_empty((n, k), dtype=torch.float32)
+
+
 @torch.library.register_fake("specdec::draft_tree")
 def _draft_tree_fake(
     root: torch.Tensor, drafts: torch.Tensor, merge: bool = True, accept: torch.Tensor | None = None,

@@ -1,0 +1,189 @@
+"""Weights as shipped: a model that comes from a GGUF keeps its quantized blocks (``--weights gguf``).
+
+:func:`apply_gguf_weights` swaps every linear layer whose weight the GGUF stores quantized for a
+:class:`QuantLinear` over the file's blocks (repacked once, :func:`specdec.kernels.quant.pack_quant_weight`),
+the tied LM head included. The swap keeps the module's dense Parameters (same state dict; the embedding
+lookup, which reads one row a token, and ``get_output_embeddings().weight`` stay dense) and is checked at
+load: the blocks, decoded and put in transformers' row order, must equal the dense weight transformers built
+from the same file (bit for bit in fp32, after rounding in bf16/fp16), or the load fails.
+
+Why: a one-row decode step reads every weight once, so its time is the bytes it reads over the memory
+bandwidth. SmolLM2-135M's GGUF holds 96.5 MB of Q4_1/Q8_0 blocks; its dense bf16 copy is 269 MB.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from specdec.gguf_blocks import AffineCodes, decode_blocks
+from specdec.kernels.quant import QuantWeight, pack_quant_weight, quant_linear
+from specdec.linear import SkinnyLinear
+
+WEIGHTS = ("auto", "gguf", "dense")
+
+# Rows up to which a CPU product runs the quantized kernel; a larger one (a prompt) rebuilds the fp32 weight
+# and calls the fp32 GEMM (see QuantLinear).
+QUANT_MAX_ROWS = 64
+
+
+class QuantLinear(SkinnyLinear):
+    """A linear layer whose products run over a GGUF's quantized blocks (:func:`specdec.kernels.quant.quant_linear`).
+
+    CPU products of up to ``quant_max_rows`` rows (decode and verification) stream the packed blocks; larger
+    ones (prompts) rebuild the fp32 weight from them and use torch's fp32 GEMM (in fp32 the dense Parameter is
+    that weight already). Either way the weight is the blocks' exact value. With gradients, or while
+    :func:`dense_weights` is on, the layer is the :class:`SkinnyLinear` it replaced (dense weights, the kernel
+    ``--linear`` chose): the bench's ``hf`` baseline runs that way.
+    """
+
+    quant_max_rows: int = QUANT_MAX_ROWS
+    dense: bool = False
+
+    @classmethod
+    def from_quant(cls, linear: nn.Linear, qweight: QuantWeight, max_rows: int = QUANT_MAX_ROWS) -> "QuantLinear":
+        """A QuantLinear sharing ``linear``'s Parameters (ties kept); its dense path is ``linear``'s (a
+        :class:`SkinnyLinear`'s kernel and limits, or torch's for a plain ``nn.Linear``)."""
+        skinny = isinstance(linear, SkinnyLinear)
+        new = cls.from_linear(linear, linear.max_rows if skinny else 0, widen=linear.widen if skinny else False,
+                              prepack=linear.prepack if skinny else False)
+        new.qweight = qweight
+        new.quant_max_rows = max_rows
+        return new
+
+    def extra_repr(self) -> str:
+        q = self.qweight
+        return f"{super().extra_repr()}, qtype={q.qtype}, bits={q.bits}, group={q.group}, bytes={q.nbytes}"
+
+    def bytes_read(self) -> int:
+        return super().bytes_read() if self.dense else self.qweight.nbytes
+
+    def compiled_inputs(self) -> list[torch.Tensor]:
+        return super().compiled_inputs() + ([self.qweight.packed] if self.qweight.packed is not None else [])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[..., in_features]`` -> ``[..., out_features]``."""
+        q = self.qweight
+        if self.dense or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return super().forward(x)
+        k = self.in_features
+        if x.is_cpu and q.packed is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            rows = x.numel() // k if k else 0
+            if 0 < rows <= self.quant_max_rows and x.shape[-1] == k:
+                op = torch.ops.specdec.quant_linear.default
+                y = op(x.reshape(rows, k), q.packed, q.n, k, q.bits, q.group, q.has_min, q.f16_scale, self.bias)
+                return y.view(x.shape[:-1] + (q.n,))
+            if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+                return super().forward(x)  # the dense fp32 weight is the blocks' exact value
+            w = torch.ops.specdec.quant_dequantize.default(q.packed, q.n, k, q.bits, q.group, q.has_min, q.f16_scale)
+            b = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(x.float(), w, b).to(x.dtype)
+        if x.device == q.device:
+            return quant_linear(x, q, self.bias)
+        return super().forward(x)
+
+
+@contextlib.contextmanager
+def dense_weights(model: nn.Module):
+    """Within the block, every :class:`QuantLinear` of ``model`` computes with its dense weights (the bench's
+    ``hf`` baseline: transformers' model as a transformers user has it)."""
+    mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for m in mods:
+        m.dense = True
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.dense = False
+
+
+def _tensor_map(model: nn.Module, reader) -> tuple[dict[str, str], object]:
+    """``{module name: GGUF tensor name}`` for every linear layer of ``model``, and transformers' tensor
+    processor for the file's architecture (it knows the row orders llama.cpp's converter permutes)."""
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, read_field)
+
+    arch = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+    gguf_to_hf = get_gguf_hf_weights_map(model, processor)
+    hf_to_gguf = {hf: g for g, hf in gguf_to_hf.items()}
+    present = {t.name for t in reader.tensors}
+    out = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or isinstance(mod, QuantLinear):
+            continue
+        key = hf_to_gguf.get(f"{name}.weight")
+        if key not in present and mod.weight is model.get_input_embeddings().weight:
+            key = hf_to_gguf.get(_param_name(model, model.get_input_embeddings().weight))  # tied LM head
+        if key in present:
+            out[name] = key
+    return out, processor
+
+
+def _param_name(model: nn.Module, param: torch.Tensor) -> str | None:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p is param:
+            return name
+    return None
+
+
+def _row_order(processor, gguf_name: str, n: int) -> torch.Tensor | None:
+    """Row ``i`` of transformers' weight is row ``order[i]`` of the GGUF tensor (llama.cpp permutes the q/k
+    rows of llama models for its rotary layout); None when the rows are in order."""
+    index = np.arange(n, dtype=np.float64)[:, None]
+    out = np.asarray(processor.process(weights=index, name=gguf_name).weights).reshape(-1)
+    if out.shape != (n,) or not np.array_equal(np.sort(out), np.arange(n)):
+        raise ValueError(f"cannot place the rows of GGUF tensor {gguf_name}: the converter's processor does not "
+                         "permute rows")
+    return None if np.array_equal(out, np.arange(n)) else torch.from_numpy(out.astype(np.int64))
+
+
+def gguf_codes(model: nn.Module, gguf_path: str | Path) -> dict[str, AffineCodes]:
+    """Affine codes of every quantized linear weight of ``model`` in the GGUF file ``gguf_path``, in
+    transformers' row order, by module name. Weights the file stores unquantized (F32/F16) are left out."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    names, processor = _tensor_map(model, reader)
+    out = {}
+    for mod_name, key in names.items():
+        t = tensors[key]
+        qtype = t.tensor_type.name
+        if qtype in ("F32", "F16", "BF16"):
+            continue
+        mod = model.get_submodule(mod_name)
+        n, k = mod.out_features, mod.in_features
+        codes = decode_blocks(qtype, t.data, n, k)
+        order = _row_order(processor, key, n)
+        out[mod_name] = codes if order is None else codes.rows(order)
+    return out
+
+
+def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int = QUANT_MAX_ROWS,
+                       check: bool = True) -> int:
+    """Swap the linear layers of ``model`` (loaded from ``gguf_path``) for :class:`QuantLinear` over the file's
+    blocks, in place; returns the number swapped.
+
+    check: require every decoded weight to equal the module's dense weight (rounded to its dtype), so the
+    quantized forward computes the very model transformers loaded.
+    """
+    device = next(model.parameters()).device
+    found = gguf_codes(model, gguf_path)
+    if not found:
+        raise ValueError(f"{gguf_path} has no quantized linear weights for this model: use --weights dense")
+    if check:
+        for name, codes in found.items():
+            w = model.get_submodule(name).weight
+            if not torch.equal(codes.dequantize().to(w.dtype).to(w.device), w.detach()):
+                raise ValueError(f"GGUF weight for {name} ({codes.qtype}) differs from the model's dense weight: "
+                                 f"the model was not loaded from {gguf_path}")
+    for name, codes in found.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        qweight = pack_quant_weight(codes, device)
+        setattr(parent, child, QuantLinear.from_quant(getattr(parent, child), qweight, max_rows))
+    return len(found)

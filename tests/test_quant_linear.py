@@ -1,0 +1,167 @@
+"""The quantized-weight linear kernel (csrc/quant_linear.cpp) against its reference (dequantize, then an fp32
+matmul), the CPU layout against its torch inverse, and the GGUF decoders against ``gguf`` itself."""
+from __future__ import annotations
+
+import itertools
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specdec.gguf_blocks import AffineCodes, decode_blocks
+from specdec.kernels import has_native
+from specdec.kernels.quant import _unpack_cpu, pack_quant_weight, quant_linear
+
+pytestmark = pytest.mark.skipif(not has_native("quant_linear"), reason="needs the compiled extension")
+
+# (bits, group, has_min, scale_fp16): every format the shipped models' block types decode to.
+FORMATS = [(4, 32, True, True), (8, 32, False, True), (4, 32, True, False), (8, 16, False, False),
+           (8, 32, True, True), (4, 16, False, True), (8, 32, True, False)]
+
+
+def random_codes(n: int, k: int, bits: int, group: int, has_min: bool, f16: bool, seed: int = 0) -> AffineCodes:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+    codes = torch.randint(lo, hi, (n, k), generator=g, dtype=torch.int32).to(torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    minv = -(torch.rand(n, k // group, generator=g) * 0.1) if has_min else None
+    if f16:
+        scale = scale.half().float()
+        minv = None if minv is None else minv.half().float()
+    elif has_min:  # K-quant-like: scales with a few more mantissa bits than fp16 (d * 6-bit sc), exact products
+        scale = scale.half().float() * torch.randint(1, 64, scale.shape, generator=g).float()
+    return AffineCodes(codes, scale, minv, bits, group, f16, "test")
+
+
+def reference(x: torch.Tensor, ac: AffineCodes, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ ac.dequantize().double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(17, 32), (50, 96), (64, 160), (3, 64)])
+def test_layout_roundtrip_and_dequantize(fmt, n, k):
+    bits, group, has_min, f16 = fmt
+    if k % group:
+        pytest.skip("K not a multiple of the group")
+    ac = random_codes(n, k, *fmt)
+    qw = pack_quant_weight(ac)
+    back = _unpack_cpu(qw)
+    assert torch.equal(back.codes, ac.codes) and torch.equal(back.scale, ac.scale)
+    if ac.minv is not None:
+        assert torch.equal(back.minv, ac.minv)
+    else:  # 4-bit codes are stored with a zero min, 8-bit ones without
+        assert back.minv is None if bits == 8 else torch.equal(back.minv, torch.zeros_like(ac.scale))
+    assert torch.equal(qw.dequantize(), ac.dequantize())  # native unpacking, bit for bit
+    assert torch.equal(qw.dequantize("torch"), ac.dequantize())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17, 33, 130])
+def test_matches_dequantize_then_matmul(fmt, dtype, m):
+    n, k = 50, 96 if fmt[1] == 32 else 80
+    ac = random_codes(n, k, *fmt, seed=m)
+    qw = pack_quant_weight(ac)
+    torch.manual_seed(m)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    for b in (None, bias):
+        y = quant_linear(x, qw, b)
+        assert y.dtype == dtype and y.shape == (m, n)
+        ref = reference(x.float(), ac, None if b is None else b.float())
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(y.double(), ref.to(dtype).double(), rtol=tol, atol=tol * ref.abs().max().item())
+        # the torch backend is the same product
+        torch.testing.assert_close(quant_linear(x, qw, b, backend="torch").double(), y.double(), rtol=tol,
+                                   atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant(fmt, dtype):
+    """A row's result does not depend on the rows that share the call, bit for bit."""
+    n, k = 70, 128
+    ac = random_codes(n, k, *fmt)
+    qw = pack_quant_weight(ac)
+    x = torch.randn(40, k).to(dtype)
+    alone = torch.cat([quant_linear(x[i:i + 1], qw) for i in range(40)])
+    for m in (2, 3, 6, 7, 8, 9, 16, 40):
+        assert torch.equal(quant_linear(x[:m], qw), alone[:m]), m
+
+
+def test_fp32_weights_are_the_dense_weights_exactly():
+    """One-hot rows of x read single weights: each must be the dense fp32 value (code * scale + min), exactly."""
+    for fmt in FORMATS:
+        ac = random_codes(20, 64 if fmt[1] == 32 else 32, *fmt)
+        qw = pack_quant_weight(ac)
+        k = ac.shape[1]
+        assert torch.equal(quant_linear(torch.eye(k), qw), ac.dequantize().T), fmt
+
+
+def test_nibble_order_by_hand():
+    codes = torch.zeros(1, 32, dtype=torch.int8)
+    codes[0, 1] = 15  # the high nibble of the first byte
+    codes[0, 30] = 2
+    ac = AffineCodes(codes, torch.ones(1, 1), torch.full((1, 1), 0.5), 4, 32, True, "test")
+    x = torch.zeros(1, 32)
+    x[0, 1], x[0, 30] = 1.0, 10.0
+    # sum_k x_k (code_k + 0.5) = 15.5 + 10 * 2.5
+    assert quant_linear(x, pack_quant_weight(ac)).item() == 15.5 + 25.0
+
+
+def test_bad_input_is_refused():
+    qw = pack_quant_weight(random_codes(16, 32, 4, 32, True, True))
+    with pytest.raises(ValueError, match="K = 32"):
+        quant_linear(torch.randn(2, 31), qw)
+    with pytest.raises(ValueError, match="activations"):
+        quant_linear(torch.randn(2, 32).double(), qw)
+    with pytest.raises(ValueError, match="bias"):
+        quant_linear(torch.randn(2, 32), qw, torch.randn(15))
+    with pytest.raises(RuntimeError, match="packed must be"):
+        torch.ops.specdec.quant_linear(torch.randn(2, 32), qw.packed[:, :, :-1], 16, 32, 4, 32, True, True, None)
+    with pytest.raises(ValueError, match="0..15"):
+        pack_quant_weight(AffineCodes(torch.full((1, 32), 16, dtype=torch.int8), torch.ones(1, 1), None, 4, 32, True, "t"))
+    with pytest.raises(ValueError, match="fp16"):
+        pack_quant_weight(AffineCodes(torch.zeros(1, 32, dtype=torch.int8), torch.full((1, 1), 0.1), None, 8, 32, True, "t"))
+
+
+def test_empty_rows():
+    qw = pack_quant_weight(random_codes(16, 32, 8, 32, False, True))
+    assert quant_linear(torch.randn(0, 32), qw).shape == (0, 16)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_decoders_match_gguf(qtype):
+    """Blocks quantized by ``gguf`` itself decode to exactly its dequantization."""
+    qt = gguf.GGMLQuantizationType[qtype]
+    try:
+        from specdec.gguf_blocks import BLOCK_TYPES
+    except ImportError:  # pragma: no cover
+        raise
+    if qtype not in BLOCK_TYPES:
+        pytest.skip(f"{qtype} not decoded")
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((24, 96)) * 0.05).astype(np.float32)
+    raw = gguf.quantize(w, qt)
+    ac = decode_blocks(qtype, raw, 24, 96)
+    assert torch.equal(ac.dequantize(), torch.from_numpy(gguf.dequantize(raw, qt).reshape(24, 96)))
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(quant_linear(x, pack_quant_weight(ac)), x @ ac.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+def test_fuzz_shapes():
+    rng = np.random.default_rng(1)
+    for _ in range(25):
+        fmt = FORMATS[rng.integers(len(FORMATS))]
+        n = int(rng.integers(1, 70))
+        k = fmt[1] * int(rng.integers(1, 6))
+        m = int(rng.integers(1, 70))
+        dtype = [torch.float32, torch.bfloat16, torch.float16][rng.integers(3)]
+        ac = random_codes(n, k, *fmt, seed=int(rng.integers(1000)))
+        x = torch.randn(m, k).to(dtype)
+        y = quant_linear(x, pack_quant_weight(ac))
+        ref = reference(x.float(), ac, None)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(y.double(), ref.to(dtype).double(), rtol=tol, atol=tol * (ref.abs().max().item() + 1))
