@@ -1,6 +1,7 @@
 """The Python entry points: :class:`SpecDecoder` (load once, generate many) and :func:`generate`."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from transformers import PreTrainedModel
 
 from specdec import memory, methods
 from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate, tree_margin
-from specdec.draft_models import is_feature_draft
+from specdec.draft_models import is_feature_draft, warm_up_inputs
 from specdec.draft_worker import ConcurrentDraft, InlineDraft, ProcessDraft
 from specdec.hub import DEFAULT_MODEL, DRAFTS, cache_dir, load_model, tables_cache_dir
 from specdec.model import ModelRunner
@@ -48,6 +49,21 @@ def check_same_vocab(target: PreTrainedModel, draft: PreTrainedModel, target_tok
         raise ValueError("draft tokenizer differs from the target's: a same-tokenizer draft is required")
 
 
+def warm_up(runner: ModelRunner, beside_feature_draft: bool = False) -> None:
+    """Compile ``runner`` (:meth:`ModelRunner.warm_up`) for the forwards that decoding runs on it: a
+    feature-conditioned draft's take zero target states beside the tokens and return hidden states; a
+    target's return them too where ``beside_feature_draft`` (sd with such a draft reads them), and not
+    for the other methods; a reduced-vocabulary draft in its reduced-logits mode, as its drafter runs it. A
+    failure raises, naming the model."""
+    model = runner.model
+    # A reduced-vocabulary draft is run in the mode its drafter runs it in (DraftModelDrafter).
+    with model.reduced_logits() if getattr(model, "draft_vocab", None) is not None else contextlib.nullcontext():
+        if is_feature_draft(model):
+            runner.warm_up(warm_up_inputs(model), return_hidden=True)
+        else:
+            runner.warm_up(return_hidden=(False, True) if beside_feature_draft else False)
+
+
 class SpecDecoder:
     """A target model (and optional draft) ready for speculative generation.
 
@@ -57,31 +73,35 @@ class SpecDecoder:
     tokenizer's vocabulary, if any), None, a file written by ``specdec ngram-corpus``, or an ``NGramCorpus``. ``draft`` may be a list: the first
     is the default, ``sd``'s ``draft=NAME`` option picks another (loaded ones are ``draft0``, ...). ``linear``: kernel of the linear
     layers of models loaded by name (``auto``, ``packed``, ``skinny``, ``torch``; see :mod:`specdec.linear`); a
-    loaded model is used as given. ``compile``: whether the runners of target and drafts run their decode
+    loaded model is used as given. ``weights``: ``auto`` (default: a model from a GGUF file computes with the
+    file's quantized blocks as stored, :mod:`specdec.gguf_weights`), ``gguf`` or ``dense``. ``compile``: whether the runners of target and drafts run their decode
     forwards through ``torch.compile`` (:class:`ModelRunner`): ``"auto"`` (the default, from
     ``$SPECDEC_COMPILE``) decodes eagerly while the graphs compile in the background and switches to
     them between generations once ready; ``"on"``/``True`` compiles here, before returning;
     ``"off"``/``False`` stays eager (see :mod:`specdec.warmup`). :meth:`wait_compiled` blocks until ready.
+    A model whose compile fails is named with the error: ``"on"`` raises; ``"auto"`` warns and runs that model
+    eagerly, the others compiled.
     """
 
     def __init__(self, model: str | PreTrainedModel = DEFAULT_MODEL,
                  draft: str | PreTrainedModel | list | None = None,
                  dtype: str = "fp32", tokenizer=None, device: str = "cpu", linear: str = "auto",
-                 corpus: "str | NGramCorpus | None" = "auto", compile: bool | str | None = None):
+                 corpus: "str | NGramCorpus | None" = "auto", compile: bool | str | None = None,
+                 weights: str = "auto"):
         mode = compile_mode(compile)
         if mode != "off":
             use_persistent_cache(cache_dir() / "inductor")
         if isinstance(model, PreTrainedModel):
             self.model, self.tokenizer = model.eval(), tokenizer
         else:
-            self.model, self.tokenizer = load_model(model, dtype, device, linear)
+            self.model, self.tokenizer = load_model(model, dtype, device, linear, weights)
         # Drafts by name; the first is the default. A method option ``draft=NAME`` picks another.
         self.drafts: dict[str, tuple[PreTrainedModel, ModelRunner]] = {}
         for i, d in enumerate(draft if isinstance(draft, (list, tuple)) else [] if draft is None else [draft]):
             if isinstance(d, PreTrainedModel):
                 name, dm, draft_tok = f"draft{i}", d.eval(), None
             else:
-                name, (dm, draft_tok) = d, load_model(d, dtype, device, linear)
+                name, (dm, draft_tok) = d, load_model(d, dtype, device, linear, weights)
             check_same_vocab(self.model, dm, self.tokenizer, draft_tok)
             width = self.model.config.get_text_config().hidden_size
             if is_feature_draft(dm) and dm.config.hidden_size != width:
@@ -92,10 +112,15 @@ class SpecDecoder:
             self.drafts[name] = (dm, ModelRunner(dm, compile=mode == "on"))
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
         self.runner = ModelRunner(self.model, compile=mode == "on")
+        target, features = self.model, any(is_feature_draft(m) for m, _ in self.drafts.values())
+
+        def warm(runner: ModelRunner) -> None:
+            warm_up(runner, beside_feature_draft=features and runner.model is target)
+
         for runner in [self.runner] + [r for _, r in self.drafts.values()]:
-            runner.warm_up()
+            warm(runner)
         models = [self.model] + [m for m, _ in self.drafts.values()]
-        self._compiling = BackgroundCompile(lambda: [ModelRunner(m, compile=True) for m in models]) \
+        self._compiling = BackgroundCompile(lambda: [ModelRunner(m, compile=True) for m in models], warm) \
             if mode == "auto" else None
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None
@@ -204,11 +229,8 @@ class SpecDecoder:
         name = name or self.draft_names()[0]
         if name not in self._draft_seconds:
             model, runner = self.get_draft(name)
-            extra = None
-            if is_feature_draft(model):  # it reads a target hidden state beside each token
-                width, dev = model.config.hidden_size, runner.device
-                extra = lambda t: {"target_hidden": torch.zeros(1, t, width, device=dev, dtype=model.dtype)}  # noqa: E731
-            self._draft_seconds[name] = StepCost.calibrate(runner, sizes=(1,), extra_inputs=extra)(1)
+            # a feature-conditioned draft reads a target hidden state beside each token
+            self._draft_seconds[name] = StepCost.calibrate(runner, sizes=(1,), extra_inputs=warm_up_inputs(model))(1)
         return self._draft_seconds[name]
 
     def disco_path(self, name: str) -> Path:

@@ -57,6 +57,12 @@ def default_attention(device: torch.device) -> str:
     return "kernel" if device.type != "cpu" or kernels.has_native("tree_attention") else "sdpa"
 
 
+def model_label(model: PreTrainedModel) -> str:
+    """``model`` in messages: its class, and the name or folder it was loaded from where it has one."""
+    path = getattr(model, "name_or_path", "")
+    return f"{type(model).__name__} ({path})" if path else type(model).__name__
+
+
 # How a prompt on an empty cache attends: "sdpa" (causal SDPA, its flash kernel) or "kernel" (the same path as a
 # verification); bench.profile prefill times one against the other. "sdpa" applies on CPUs where torch's kernels
 # run with AVX-512 (measured there); elsewhere, on CPUs without it and on GPUs, prompts keep the kernel.
@@ -91,6 +97,10 @@ WIDE_TREE_SDPA: int | None = _wide_tree_sdpa(os.environ.get("SPECDEC_WIDE_TREE_S
 # A ragged batch's prompts are encoded row by row when that computes fewer positions than one padded forward,
 # counting a row as at least this many (below it a forward's cost is the weights' read, not the tokens).
 ROW_PREFILL_MIN = 64
+
+
+# torch._dynamo's recompile limit while compiled runners exist (at least; its default is 8): see ModelRunner.
+RECOMPILE_LIMIT = 64
 
 
 @dataclass
@@ -175,7 +185,10 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
         # A prompt on an empty cache is plain causal attention: SDPA's flash kernel (no mask tensor) is
         # 1.6-2.8x the tree kernel there (64 to 1,000 tokens, CPU, fp32 and bf16; bench.profile prefill).
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=t > 1, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+            # A constant, not the symbolic t > 1 of a compiled forward (a draft's catch-up on an empty cache),
+            # which SDPA refuses (a graph break).
+            query, key, value, is_causal=True if t > 1 else False, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
     # On the CPU the kernel beats SDPA for few queries, one token included (0.05 against 0.065 ms per layer
     # in fp32 and 0.49 ms in bf16 at a 400-token context, AVX2), and at every size without AVX-512 (wide trees
@@ -320,6 +333,10 @@ class ModelRunner:
         self._pool: dict = {}
         self._compiled = None
         if compile:  # reset() below brings the packed weights up to date
+            # transformers' forward wrapper is one code object for every model class, so the graphs of the target
+            # and of the drafts (each kind of forward, with and without hidden states, one row and several) share
+            # dynamo's per-code-object limit, past which it runs further kinds eagerly.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             # dynamic: the tree size, the cache view's length and the write offset vary from call to call.
             # The bound forward is compiled, not the module: module hooks added later (the bench's call
             # counter) would otherwise force a recompile. They do not run for compiled calls, which
@@ -356,25 +373,63 @@ class ModelRunner:
         self._pool.clear()
         self.reset(self.batch_size, 0)
 
-    def warm_up(self) -> None:
+    def warm_up(self, extra_inputs: Callable[[int], dict] | None = None,
+                return_hidden: bool | tuple[bool, ...] = False) -> None:
         """Compile now (``compile=True``; otherwise nothing to do): one forward of each kind a single-row
         decode loop runs, a single token, a chain, a tree, a chain and a tree of at least
         :data:`WIDE_TREE_SDPA` nodes (their attention route) and a tree past 32 nodes (a wider packed mask), on
-        a throwaway context. Drops all state."""
+        a throwaway context. Drops all state.
+
+        extra_inputs: ``extra_inputs(t) -> dict``, the model inputs beside ``t`` tokens that the decode loop
+        passes (a feature-conditioned draft's ``target_hidden``: :func:`specdec.draft_models.warm_up_inputs`
+        makes them); the context is then read by a chain through :meth:`forward_tree`, as a drafter's
+        catch-up reads it, instead of :meth:`prefill` (whose forward takes no extra inputs).
+        return_hidden: compile the forwards that return the last hidden state (``True``), those that do not
+        (``False``), or both (``(False, True)``): they are separate graphs, and a feature-conditioned draft's
+        forwards, and the target's beside one, return it.
+
+        A failure raises a ``RuntimeError`` that names the model, chained to the compile's own exception.
+        """
         if self._compiled is None:
             return
+        try:
+            for hidden in (return_hidden,) if isinstance(return_hidden, bool) else return_hidden:
+                self._warm_up(extra_inputs, hidden)
+        except Exception as exc:
+            self.reset(1, 0)
+            raise RuntimeError(f"compiling the decode forwards of {model_label(self.model)} failed: {exc!r}") from exc
+
+    def _warm_up(self, extra_inputs: Callable[[int], dict] | None, return_hidden: bool) -> None:
         # Sizes that equal no other dynamic size: symbols with equal values when first traced are unified
         # (a tree size equal to the cache capacity less its offset would specialise the graph to that).
+        extra = extra_inputs or (lambda t: None)
         ids = torch.zeros(1, 20, dtype=torch.int64, device=self.device)
+        n = ids.shape[1]
         self.reset(1, 97)
-        self.prefill(ids, torch.tensor([ids.shape[1]], device=self.device))
+        if extra_inputs is None:
+            self.prefill(ids, torch.tensor([n], device=self.device), return_hidden)
+        else:
+            # One eager forward first: transformers installs its output-capturing hooks on a model's first
+            # forward that returns hidden states, under a lock that would break a compiled graph.
+            with torch.inference_mode():
+                self._run(ids, torch.arange(n, device=self.device)[None], None, logits_to_keep=1,
+                          return_hidden=return_hidden, extra_inputs=extra(n))
+            self.reset(1, 97)
+            # Then the context as a drafter's first catch-up reads it: a chain on an empty cache, compiled.
+            self.forward_tree(DraftTree.chain(ids[:, 0], ids[:, 1:]), return_hidden, extra(n))
+            self.commit(torch.arange(n, device=self.device)[None], torch.tensor([n], device=self.device), True, [n])
         root = ids[:, 0]
         trees = (DraftTree.chain(root), DraftTree.chain(root, ids[:, :4]),
                  DraftTree.from_chains(root, [[[1, 2], [3, 4, 5]]]),
                  DraftTree.chain(root, ids[:, :12]), DraftTree.from_chains(root, [[[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]]),
                  DraftTree.from_chains(root, [[[i, i + 1, i + 2] for i in range(1, 34, 3)]]))  # > 32 nodes: a wider mask
         for tree in trees:
-            self.forward_tree(tree)
+            self.forward_tree(tree, return_hidden, extra(tree.size))
+        self.reset(1, 0)
+
+    def use_eager(self) -> None:
+        """Run every forward eagerly from now on (a runner whose compile failed). Drops all state."""
+        self._compiled = None
         self.reset(1, 0)
 
     @property
@@ -411,10 +466,13 @@ class ModelRunner:
             forward = self._compiled
             self.compiled_calls += 1
             # A compiled graph is specialised on whether its inputs are inference tensors; callers make
-            # them either way, so they are all made inference tensors here (a copy of a few ints).
+            # them either way, so they are all made inference tensors here (a copy of a few ints; extra
+            # inputs, such as a feature-conditioned draft's target states, are inference tensors in decoding).
             input_ids, positions = _inference(input_ids), _inference(positions)
             tree_mask = None if tree_mask is None else _inference(tree_mask)
             key_positions = None if key_positions is None else _inference(key_positions)
+            if extra_inputs:
+                extra_inputs = {k: _inference(v) if isinstance(v, torch.Tensor) else v for k, v in extra_inputs.items()}
         attention = self.attention
         if (attention == "kernel" and WIDE_TREE_SDPA is not None and t >= WIDE_TREE_SDPA and _prompt_sdpa(self.device.type)
                 and not (self.cache.write_pos + self.cache.pending == 0 and tree_mask is None)):

@@ -40,18 +40,26 @@ def use_persistent_cache(cache: Path) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
 
 
+def _warm_up(runner) -> None:
+    runner.warm_up()
+
+
 class BackgroundCompile:
     """Builds and warms compiled runners in a daemon thread.
 
     ``make()`` returns the runners to warm (it runs in the thread, so their construction is not waited
-    for either); :meth:`result` returns them once every ``warm_up`` has finished, else None. A failure
-    is reported once as a warning and leaves the caller on its eager runners.
+    for either); ``warm_up(runner)`` warms one (default: ``runner.warm_up()``). :meth:`result` returns
+    them once every warm-up has finished, else None. A runner whose warm-up fails is reported as a
+    warning that names its model and the error, and runs eagerly (``runner.use_eager()``) while the
+    others stay compiled; a failure of ``make()`` is reported likewise and leaves the caller on its eager
+    runners (None). Each failure is reported once, in the caller's thread.
     """
 
-    def __init__(self, make):
-        self._make = make
+    def __init__(self, make, warm_up=_warm_up):
+        self._make, self._warm = make, warm_up
         self._runners = None
         self._error: BaseException | None = None
+        self._failed: list[tuple[object, BaseException]] = []
         self._thread = threading.Thread(target=self._run, name="specdec-compile", daemon=True)
         self._thread.start()
 
@@ -59,7 +67,11 @@ class BackgroundCompile:
         try:
             runners = self._make()
             for runner in runners:
-                runner.warm_up()
+                try:
+                    self._warm(runner)
+                except Exception as exc:  # noqa: BLE001  (reported to the caller's thread; the rest compile on)
+                    runner.use_eager()
+                    self._failed.append((runner, exc))
             self._runners = runners
         except BaseException as exc:  # noqa: BLE001  (reported to the caller's thread)
             self._error = exc
@@ -75,11 +87,18 @@ class BackgroundCompile:
         return self.result() is not None
 
     def result(self):
-        """The warmed runners, or None while compiling (or after a failure, warned about once)."""
+        """The warmed runners (those whose compile failed run eagerly), or None while compiling or after
+        ``make()`` failed. Failures are warned about once."""
         if self._thread.is_alive():
             return None
+        for runner, exc in self._failed:
+            from specdec.model import model_label
+
+            warnings.warn(f"{exc}; {model_label(runner.model)} decodes eagerly", RuntimeWarning, stacklevel=3)
+        self._failed = []
         if self._error is not None:
-            warnings.warn(f"compiling the decode graphs failed; decoding stays eager ({self._error!r})", stacklevel=3)
+            warnings.warn(f"compiling the decode graphs failed; decoding stays eager ({self._error!r})",
+                          RuntimeWarning, stacklevel=3)
             self._error, self._runners = None, None
             self._make = None
         return self._runners

@@ -114,3 +114,45 @@ def test_compiled_draft_runner_sd(monkeypatch):
         accepted += out.stats.accepted_tokens
     assert accepted > 0
     check_rows_leave(dec, "sd", {"draft_length": 3}, monkeypatch, sampled=False)
+
+
+def test_compiled_feature_draft_sd():
+    """A decoder holding a feature-conditioned (EAGLE) draft compiles, target and draft: the draft's warm-up
+    passes the zero target states its forward requires (it raised there, and the whole decoder stayed eager)
+    and covers the hidden-state forwards its drafter runs, the target's those sd with such a draft runs.
+    Decoding then compiles nothing more, runs through both compiled runners and gives the target's greedy
+    tokens (fp32)."""
+    from tests.test_feature_draft import VOCAB, tiny_eagle
+
+    target = tiny_model("llama", VOCAB)
+    dec = SpecDecoder(target, draft=tiny_eagle(target), compile=True)  # compiles here (warm_up)
+    assert dec.runner.compiled and dec.draft_runner.compiled
+    before, frames = (dec.runner.compiled_calls, dec.draft_runner.compiled_calls), _frames()
+    for prompt in (prompt_of(45, seed=45), prompt_of(6, seed=6), REPETITIVE):
+        for method, opts in (("sd", {"draft_length": 3}), ("ar", {})):
+            out = dec.generate_ids([prompt], method, 30, GREEDY, **opts)
+            assert out.tokens[0] == hf_generate(target, prompt, 30, GREEDY), (method, len(prompt))
+    assert dec.runner.compiled_calls > before[0] and dec.draft_runner.compiled_calls > before[1]
+    assert _frames() == frames
+
+
+def test_failed_compile_warns_naming_the_model_and_keeps_the_others_compiled(monkeypatch):
+    """A runner whose compile fails is named, with the error: ``on`` raises; ``auto`` warns and runs that model
+    eagerly while the others switch to their compiled runners (not the whole decoder back to eager)."""
+    from specdec.draft_models import is_feature_draft
+    from specdec.model import ModelRunner
+    from tests.test_feature_draft import VOCAB, tiny_eagle
+
+    def warm(runner, extra_inputs, return_hidden):  # compiles nothing: the draft fails at once, the rest pass
+        if is_feature_draft(runner.model):
+            raise ValueError("a feature-conditioned (EAGLE) draft needs the target's hidden states")
+
+    monkeypatch.setattr(ModelRunner, "_warm_up", warm)
+    target = tiny_model("llama", VOCAB)
+    draft = tiny_eagle(target)
+    with pytest.raises(RuntimeError, match="SpecdecEagleForCausalLM.*needs the target's hidden states"):
+        SpecDecoder(target, draft=draft, compile="on")
+    dec = SpecDecoder(target, draft=draft, compile="auto")
+    with pytest.warns(RuntimeWarning, match="SpecdecEagleForCausalLM.*needs the target's hidden states.*eagerly"):
+        assert dec.wait_compiled(timeout=60)
+    assert dec.runner.compiled and not dec.draft_runner.compiled

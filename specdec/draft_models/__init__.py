@@ -6,7 +6,7 @@ trains both; loading one by folder needs :func:`register_draft_models` first (``
 """
 from __future__ import annotations
 
-from specdec.draft_models.eagle import SpecdecEagleConfig, SpecdecEagleForCausalLM, is_feature_draft
+from specdec.draft_models.eagle import SpecdecEagleConfig, SpecdecEagleForCausalLM, is_feature_draft, warm_up_inputs
 from specdec.draft_models.reduced import SpecdecDraftConfig, SpecdecDraftForCausalLM, register
 
 
@@ -17,4 +17,4 @@ def register_draft_models() -> None:
 
 
 __all__ = ["SpecdecDraftConfig", "SpecdecDraftForCausalLM", "SpecdecEagleConfig", "SpecdecEagleForCausalLM",
-           "is_feature_draft", "register_draft_models"]
+           "is_feature_draft", "register_draft_models", "warm_up_inputs"]

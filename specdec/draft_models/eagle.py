@@ -74,6 +74,17 @@ def is_feature_draft(model) -> bool:
     return isinstance(model, SpecdecEagleForCausalLM)
 
 
+def warm_up_inputs(model):
+    """The extra inputs beside ``t`` tokens that compiling or timing ``model`` needs, as a callable
+    ``t -> dict`` for :meth:`specdec.model.ModelRunner.warm_up` and
+    :meth:`specdec.policies.StepCost.calibrate`: zero target states ``[1,t,H]`` (the zeros of a first
+    position) for a feature-conditioned draft; None for any other model (it takes none)."""
+    if not is_feature_draft(model):
+        return None
+    width, device, dtype = model.config.hidden_size, model.device, model.dtype
+    return lambda t: {"target_hidden": torch.zeros(1, t, width, device=device, dtype=dtype)}
+
+
 @torch.no_grad()
 def eagle_from_target(target, layers: list[int], draft_vocab: torch.Tensor, target_name: str | None = None,
                       dtype: torch.dtype = torch.float32) -> SpecdecEagleForCausalLM:
