@@ -38,6 +38,10 @@
 #include "linear_common.h"
 #include "simd.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace specdec {
 namespace {
 
@@ -47,6 +51,7 @@ constexpr int64_t kPrefetchBytes = 4096;
 
 struct Args {
   const float* x;      // [M, K] fp32 (widened once per call)
+  const float* xs;     // [M, K / group] fp32: each group's sum of x, summed in order
   const uint8_t* w;    // [P, groups, chunk]
   const float* b;      // [N] fp32 or null
   float* y;            // [M, N] fp32 sums plus bias (rounded to the output dtype after, where it is not fp32)
@@ -54,195 +59,128 @@ struct Args {
   int group;
 };
 
-template <int L>
-struct Vec {
-  typedef float f __attribute__((vector_size(4 * L)));
-  typedef int32_t i __attribute__((vector_size(4 * L)));
-  typedef uint8_t u8 __attribute__((vector_size(L)));
-  typedef int8_t s8 __attribute__((vector_size(L)));
-};
-
-template <int L>
-SPECDEC_INLINE typename Vec<L>::f broadcast(const float* p) {
-  const typename Vec<L>::f t = {*p};
-  if constexpr (L == 16) return __builtin_shufflevector(t, t, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  else return __builtin_shufflevector(t, t, 0, 0, 0, 0, 0, 0, 0, 0);
-}
-
-template <int L, bool F16>
-SPECDEC_INLINE typename Vec<L>::f load_scale(const uint8_t* p) {
-  if constexpr (F16) {
-    return simd::load_f16_n<L>(reinterpret_cast<const uint16_t*>(p));
-  } else {
-    typename Vec<L>::f v;
-    std::memcpy(&v, p, sizeof(v));
-    return v;
-  }
-}
-
-// The weight of one affine code vector: code * scale (+ min).
-template <int L, bool MIN>
-SPECDEC_INLINE typename Vec<L>::f weight(typename Vec<L>::i code, typename Vec<L>::f sc, typename Vec<L>::f mn) {
-  const auto c = __builtin_convertvector(code, typename Vec<L>::f);
-  if constexpr (MIN) return c * sc + mn;
-  else return c * sc;
-}
-
 SPECDEC_INLINE void store_row(const Args& a, int64_t m, int64_t p, const float* v) {
   const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, a.N - n0);
   float* out = a.y + m * a.N + n0;
   for (int c = 0; c < cols; ++c) out[c] = a.b != nullptr ? v[c] + a.b[n0 + c] : v[c];
 }
 
-// Rows [m0, m0 + MR) against panels [p0, p0 + NP), L lanes a vector (16 / L vectors a panel).
-template <int L, int BITS, bool F16, bool MIN, int MR, int NP>
-SPECDEC_INLINE void micro(const Args& a, int64_t m0, int64_t p0) {
-  using VF = typename Vec<L>::f;
-  using VI = typename Vec<L>::i;
-  constexpr int H = kPanel / L;
-  constexpr int SB = F16 ? 2 : 4;
-  constexpr int kCodes = kPanel * SB * (MIN ? 2 : 1);  // byte offset of the codes in a chunk
-  VF acc[MR][NP][H] = {};
-  const float* xr = a.x + m0 * a.K;
-  const int G = a.group;
-  for (int64_t g = 0; g < a.groups; ++g) {
-    VF sc[NP][H], mn[NP][H];
-    const uint8_t* q[NP];
-#pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) {
-      const uint8_t* c = a.w + ((p0 + p) * a.groups + g) * a.chunk;
-      __builtin_prefetch(c + kPrefetchBytes);
-#pragma GCC unroll 2
-      for (int h = 0; h < H; ++h) {
-        sc[p][h] = load_scale<L, F16>(c + h * L * SB);
-        mn[p][h] = MIN ? load_scale<L, F16>(c + kPanel * SB + h * L * SB) : VF{};
-      }
-      q[p] = c + kCodes;
-    }
-    const float* xk = xr + g * G;
-    if constexpr (BITS == 4) {
-      for (int j = 0; j < G / 2; ++j) {
-#pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 2
-          for (int h = 0; h < H; ++h) {
-            typename Vec<L>::u8 bytes;
-            std::memcpy(&bytes, q[p] + j * kPanel + h * L, L);
-            const VI iv = __builtin_convertvector(bytes, VI);
-            const VF w0 = weight<L, MIN>(iv & 15, sc[p][h], mn[p][h]);
-            const VF w1 = weight<L, MIN>(iv >> 4, sc[p][h], mn[p][h]);
-#pragma GCC unroll 8
-            for (int m = 0; m < MR; ++m) {
-              acc[m][p][h] += broadcast<L>(xk + m * a.K + 2 * j) * w0;
-              acc[m][p][h] += broadcast<L>(xk + m * a.K + 2 * j + 1) * w1;
-            }
-          }
-      }
-    } else {
-      for (int j = 0; j < G; ++j) {
-#pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 2
-          for (int h = 0; h < H; ++h) {
-            typename Vec<L>::s8 bytes;
-            std::memcpy(&bytes, q[p] + j * kPanel + h * L, L);
-            const VF w = weight<L, MIN>(__builtin_convertvector(bytes, VI), sc[p][h], mn[p][h]);
-#pragma GCC unroll 8
-            for (int m = 0; m < MR; ++m) acc[m][p][h] += broadcast<L>(xk + m * a.K + j) * w;
-          }
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) {
-      float v[kPanel];
-#pragma GCC unroll 2
-      for (int h = 0; h < H; ++h) {
-        const VF t = acc[m][p][h];  // a copy: taking the accumulators' address would keep them in memory
-        std::memcpy(v + h * L, &t, sizeof(t));
-      }
-      store_row(a, m0 + m, p0 + p, v);
-    }
-}
-
-// All rows, in near-equal blocks of at most MAXR, against NP panels at p (one at a time past p_end).
-template <int L, int BITS, bool F16, bool MIN, int NP, int MAXR>
-SPECDEC_INLINE void rows(const Args& a, int64_t p, int64_t p_end) {
-  if constexpr (NP > 1) {
-    if (p + NP > p_end) {
-      for (; p < p_end; ++p) rows<L, BITS, F16, MIN, 1, MAXR>(a, p, p_end);
-      return;
-    }
-  }
-  const int64_t blocks = (a.M + MAXR - 1) / MAXR;
-  int64_t m = 0;
-  for (int64_t i = 0; i < blocks; ++i) {
-    const int r = static_cast<int>(a.M / blocks + (i < a.M % blocks));
-#define SPECDEC_QROWS(R) \
-  case R: \
-    if constexpr (R <= MAXR) micro<L, BITS, F16, MIN, R, NP>(a, m, p); \
-    break;
-    switch (r) {
-      SPECDEC_QROWS(1)
-      SPECDEC_QROWS(2)
-      SPECDEC_QROWS(3)
-      SPECDEC_QROWS(4)
-      SPECDEC_QROWS(5)
-      SPECDEC_QROWS(6)
-      SPECDEC_QROWS(7)
-      SPECDEC_QROWS(8)
-      default: TORCH_INTERNAL_ASSERT(false, "quant_linear: a block of ", r, " rows");
-    }
-#undef SPECDEC_QROWS
-    m += r;
-  }
-}
-
-// Panels per register block and rows per block, by lane width: 16 lanes (AVX-512, 32 registers) keep 4
-// panels at one row and 2 panels of up to 8 rows; 8 lanes (AVX2, 16 registers) 2 panels at one row and one
-// panel of up to 3 rows (each panel is two registers of weights, scales and mins there).
-template <int L>
-inline int64_t panels_per_unit(int64_t M) {
-  if constexpr (L == 16) return M == 1 ? 4 : 2;
-  else return M == 1 ? 2 : 1;
-}
-
-template <int L, int BITS, bool F16, bool MIN>
-SPECDEC_INLINE void run_impl(const Args& a, int64_t p_begin, int64_t p_end) {
-  const int64_t np = panels_per_unit<L>(a.M);
-  for (int64_t p = p_begin; p < p_end; p += np) {
-    if constexpr (L == 16) {
-      if (np == 4) rows<L, BITS, F16, MIN, 4, 1>(a, p, p_end);
-      else rows<L, BITS, F16, MIN, 2, 8>(a, p, p_end);
-    } else {
-      if (np == 2) rows<L, BITS, F16, MIN, 2, 1>(a, p, p_end);
-      else rows<L, BITS, F16, MIN, 1, 3>(a, p, p_end);
-    }
-  }
-}
-
-template <int BITS, bool F16, bool MIN>
-SPECDEC_TARGET_AVX512 void run_avx512(const Args& a, int64_t b, int64_t e) { run_impl<16, BITS, F16, MIN>(a, b, e); }
-template <int BITS, bool F16, bool MIN>
-SPECDEC_TARGET_AVX2 void run_avx2(const Args& a, int64_t b, int64_t e) { run_impl<8, BITS, F16, MIN>(a, b, e); }
-template <int BITS, bool F16, bool MIN>
-void run_base(const Args& a, int64_t b, int64_t e) { run_impl<8, BITS, F16, MIN>(a, b, e); }
-
+// Vector operations per instruction set, for csrc/quant_linear_body.h. Each block is compiled for its ISA.
 using RunFn = void (*)(const Args&, int64_t, int64_t);
 
-template <int BITS, bool F16, bool MIN>
-RunFn pick_fn() {
-  return simd::pick<RunFn>(run_avx512<BITS, F16, MIN>, run_avx2<BITS, F16, MIN>,
-                           run_base<BITS, F16, MIN>);
+#if SPECDEC_X86_CLONES
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")
+namespace isa_avx512 {
+struct Ops {
+  static constexpr int L = 16;
+  using V = __m512;
+  static SPECDEC_INLINE V zero() { return _mm512_setzero_ps(); }
+  static SPECDEC_INLINE V bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static SPECDEC_INLINE V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static SPECDEC_INLINE V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  template <bool F16>
+  static SPECDEC_INLINE V scale(const uint8_t* p) {
+    if constexpr (F16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    else return _mm512_loadu_ps(p);
+  }
+  // 16 bytes -> their low nibbles (lo) and high nibbles (hi) as fp32 codes.
+  static SPECDEC_INLINE void nibbles(const uint8_t* p, V& lo, V& hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
+  static SPECDEC_INLINE V sbytes(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static SPECDEC_INLINE void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#include "quant_linear_body.h"
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+struct Ops {
+  static constexpr int L = 8;
+  using V = __m256;
+  static SPECDEC_INLINE V zero() { return _mm256_setzero_ps(); }
+  static SPECDEC_INLINE V bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static SPECDEC_INLINE V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static SPECDEC_INLINE V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  template <bool F16>
+  static SPECDEC_INLINE V scale(const uint8_t* p) {
+    if constexpr (F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    else return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+  static SPECDEC_INLINE void nibbles(const uint8_t* p, V& lo, V& hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+  static SPECDEC_INLINE V sbytes(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static SPECDEC_INLINE void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#include "quant_linear_body.h"
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#endif
+
+// Any other CPU: GCC's generic vectors of 8 lanes (lowered to what the baseline ISA has).
+namespace isa_base {
+struct Ops {
+  static constexpr int L = 8;
+  typedef float V __attribute__((vector_size(32)));
+  typedef int32_t Vi __attribute__((vector_size(32)));
+  static SPECDEC_INLINE V zero() { return V{}; }
+  static SPECDEC_INLINE V bcast(const float* p) { return V{} + *p; }
+  static SPECDEC_INLINE V fma(V a, V b, V c) { return a * b + c; }
+  static SPECDEC_INLINE V mul(V a, V b) { return a * b; }
+  template <bool F16>
+  static SPECDEC_INLINE V scale(const uint8_t* p) {
+    if constexpr (F16) {
+      return simd::load_f16_n<8>(reinterpret_cast<const uint16_t*>(p));
+    } else {
+      V v;
+      std::memcpy(&v, p, sizeof(v));
+      return v;
+    }
+  }
+  static SPECDEC_INLINE void nibbles(const uint8_t* p, V& lo, V& hi) {
+    Vi b;
+    for (int i = 0; i < 8; ++i) b[i] = p[i];
+    lo = __builtin_convertvector(b & 15, V);
+    hi = __builtin_convertvector(b >> 4, V);
+  }
+  static SPECDEC_INLINE V sbytes(const uint8_t* p) {
+    Vi b;
+    for (int i = 0; i < 8; ++i) b[i] = static_cast<int8_t>(p[i]);
+    return __builtin_convertvector(b, V);
+  }
+  static SPECDEC_INLINE void store(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
+};
+#include "quant_linear_body.h"
+}  // namespace isa_base
+
+RunFn pick_format(int64_t bits, bool f16, bool has_min) {
+#if SPECDEC_X86_CLONES
+  switch (simd::best_isa()) {
+    case simd::Isa::kAvx512: return isa_avx512::pick(bits, f16, has_min);
+    case simd::Isa::kAvx2: return isa_avx2::pick(bits, f16, has_min);
+    default: break;
+  }
+#endif
+  return isa_base::pick(bits, f16, has_min);
 }
 
-// 4-bit codes always come with a min (Q4_0, Q4_1, Q4_K): a zero min is stored for a format without one.
-RunFn pick_format(int64_t bits, bool f16, bool has_min) {
-  if (bits == 4) return f16 ? pick_fn<4, true, true>() : pick_fn<4, false, true>();
-  if (f16) return has_min ? pick_fn<8, true, true>() : pick_fn<8, true, false>();
-  return has_min ? pick_fn<8, false, true>() : pick_fn<8, false, false>();
+int64_t panels_per_unit(int64_t M) {
+#if SPECDEC_X86_CLONES
+  if (simd::best_isa() == simd::Isa::kAvx512) return isa_avx512::panels_per_unit(M);
+#endif
+  return isa_base::panels_per_unit(M);
 }
 
 int64_t chunk_bytes(int64_t bits, int64_t group, bool has_min, bool f16) {
@@ -288,10 +226,20 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64
     sums.resize(static_cast<size_t>(M * n));
     y32 = sums.data();
   }
-  const Args a{linear::rows_fp32(xc), w.const_data_ptr<uint8_t>(), b.defined() ? b.const_data_ptr<float>() : nullptr,
+  const float* xf = linear::rows_fp32(xc);
+  thread_local std::vector<float> xsums;
+  const int64_t groups = k / group;
+  xsums.resize(static_cast<size_t>(M * groups));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float t = 0.0f;
+      for (int64_t j = 0; j < group; ++j) t += xf[m * k + g * group + j];
+      xsums[m * groups + g] = t;
+    }
+  const Args a{xf, xsums.data(), w.const_data_ptr<uint8_t>(), b.defined() ? b.const_data_ptr<float>() : nullptr,
                y32, M, n, k, k / group, w.size(2), static_cast<int>(group)};
   const RunFn fn = pick_format(bits, f16_scale, has_min);
-  const int64_t unit = simd::best_isa() == simd::Isa::kAvx512 ? panels_per_unit<16>(M) : panels_per_unit<8>(M);
+  const int64_t unit = panels_per_unit(M);
   const int64_t units = (P + unit - 1) / unit;
   // A task gets at least ~64K weights (below that, waking the pool costs more than the work).
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(unit * kPanel * k, 1));

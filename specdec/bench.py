@@ -66,7 +66,6 @@ def _run_hf(dec: SpecDecoder, method: str, own: dict, prompt: list[int], max_new
         return hf_generate(dec.model, prompt, max_new, sampling), None
     if method == "hf-pld":
         return hf_generate(dec.model, prompt, max_new, sampling, prompt_lookup_num_tokens=10), None
-    if method == "hf-assisted":
     return hf_generate(dec.model, prompt, max_new, sampling, assistant_model=dec.get_draft(own.get("draft"))[0]), None
 
 

@@ -1,0 +1,161 @@
+// The quantized-weight micro-kernel of csrc/quant_linear.cpp, written once and included once per instruction set,
+// inside a namespace that defines `Ops` (the vector type V of L fp32 lanes and the few operations the kernel needs)
+// under a `#pragma GCC target` for that ISA, so every function here is compiled for it.
+//
+// Expects in scope: Args, RunFn, kPanel, kPrefetchBytes, store_row (quant_linear.cpp).
+
+// Rows [m0, m0 + MR) against panels [p0, p0 + NP), L lanes a vector (16 / L vectors a panel).
+template <int BITS, bool F16, bool MIN, int MR, int NP>
+SPECDEC_INLINE void micro(const Args& a, int64_t m0, int64_t p0) {
+  using VF = typename Ops::V;
+  constexpr int L = Ops::L;
+  constexpr int H = kPanel / L;
+  constexpr int SB = F16 ? 2 : 4;
+  constexpr int kCodes = kPanel * SB * (MIN ? 2 : 1);  // byte offset of the codes in a chunk
+  VF acc[MR][NP][H];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) acc[m][p][h] = Ops::zero();
+  const float* xr = a.x + m0 * a.K;
+  const int G = a.group;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    VF sc[NP][H], mn[NP][H];
+    const uint8_t* q[NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      const uint8_t* c = a.w + ((p0 + p) * a.groups + g) * a.chunk;
+      for (int64_t o = 0; o < a.chunk; o += 64) __builtin_prefetch(c + kPrefetchBytes + o);  // every line of the chunk
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+        sc[p][h] = Ops::template scale<F16>(c + h * L * SB);
+        mn[p][h] = MIN ? Ops::template scale<F16>(c + kPanel * SB + h * L * SB) : Ops::zero();
+      }
+      q[p] = c + kCodes;
+    }
+    const float* xk = xr + g * G;
+    // dot = sum_j x_j code_j over the group (codes widened to fp32 exactly), then acc += scale * dot
+    // (+ min * sum_j x_j): the group's sum_j x_j (code_j * scale + min), two multiply-adds a group instead of one a
+    // weight.
+    VF dot[MR][NP][H];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+        for (int h = 0; h < H; ++h) dot[m][p][h] = Ops::zero();
+    if constexpr (BITS == 4) {
+      for (int j = 0; j < G / 2; ++j) {
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+          for (int h = 0; h < H; ++h) {
+            VF c0, c1;
+            Ops::nibbles(q[p] + j * kPanel + h * L, c0, c1);
+#pragma GCC unroll 8
+            for (int m = 0; m < MR; ++m) {
+              dot[m][p][h] = Ops::fma(Ops::bcast(xk + m * a.K + 2 * j), c0, dot[m][p][h]);
+              dot[m][p][h] = Ops::fma(Ops::bcast(xk + m * a.K + 2 * j + 1), c1, dot[m][p][h]);
+            }
+          }
+      }
+    } else {
+      for (int j = 0; j < G; ++j) {
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+          for (int h = 0; h < H; ++h) {
+            const VF c = Ops::sbytes(q[p] + j * kPanel + h * L);
+#pragma GCC unroll 8
+            for (int m = 0; m < MR; ++m) dot[m][p][h] = Ops::fma(Ops::bcast(xk + m * a.K + j), c, dot[m][p][h]);
+          }
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+        for (int h = 0; h < H; ++h) {
+          acc[m][p][h] = Ops::fma(dot[m][p][h], sc[p][h], acc[m][p][h]);
+          if constexpr (MIN) acc[m][p][h] = Ops::fma(Ops::bcast(a.xs + (m0 + m) * a.groups + g), mn[p][h], acc[m][p][h]);
+        }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      float v[kPanel];
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+        Ops::store(v + h * L, acc[m][p][h]);
+      }
+      store_row(a, m0 + m, p0 + p, v);
+    }
+}
+
+// All rows, in near-equal blocks of at most MAXR, against NP panels at p (one at a time past p_end).
+template <int BITS, bool F16, bool MIN, int NP, int MAXR>
+SPECDEC_INLINE void rows(const Args& a, int64_t p, int64_t p_end) {
+  if constexpr (NP > 1) {
+    if (p + NP > p_end) {
+      for (; p < p_end; ++p) rows<BITS, F16, MIN, 1, MAXR>(a, p, p_end);
+      return;
+    }
+  }
+  const int64_t blocks = (a.M + MAXR - 1) / MAXR;
+  int64_t m = 0;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int r = static_cast<int>(a.M / blocks + (i < a.M % blocks));
+#define SPECDEC_QROWS(R) \
+  case R: \
+    if constexpr (R <= MAXR) micro<BITS, F16, MIN, R, NP>(a, m, p); \
+    break;
+    switch (r) {
+      SPECDEC_QROWS(1)
+      SPECDEC_QROWS(2)
+      SPECDEC_QROWS(3)
+      SPECDEC_QROWS(4)
+      SPECDEC_QROWS(5)
+      SPECDEC_QROWS(6)
+      SPECDEC_QROWS(7)
+      SPECDEC_QROWS(8)
+      default: TORCH_INTERNAL_ASSERT(false, "quant_linear: a block of ", r, " rows");
+    }
+#undef SPECDEC_QROWS
+    m += r;
+  }
+}
+
+// Panels per register block and rows per block, by lane width: 16 lanes (AVX-512, 32 registers) keep 4
+// panels at one row and 2 panels of up to 8 rows; 8 lanes (AVX2, 16 registers) 2 panels at one row and one
+// panel of up to 3 rows (each panel is two registers of weights, scales and mins there).
+inline int64_t panels_per_unit(int64_t M) {
+  if constexpr (Ops::L == 16) return M == 1 ? 4 : 2;
+  else return M == 1 ? 2 : 1;
+}
+
+template <int BITS, bool F16, bool MIN>
+void run(const Args& a, int64_t p_begin, int64_t p_end) {
+  const int64_t np = panels_per_unit(a.M);
+  for (int64_t p = p_begin; p < p_end; p += np) {
+    if constexpr (Ops::L == 16) {
+      if (np == 4) rows<BITS, F16, MIN, 4, 1>(a, p, p_end);
+      else rows<BITS, F16, MIN, 2, 4>(a, p, p_end);
+    } else {
+      if (np == 2) rows<BITS, F16, MIN, 2, 1>(a, p, p_end);
+      else rows<BITS, F16, MIN, 1, 2>(a, p, p_end);
+    }
+  }
+}
+
+// The kernel for one format. (4-bit codes always come with a min: Q4_0, Q4_1, Q4_K; a zero min where the format
+// has none.)
+inline RunFn pick(int64_t bits, bool f16, bool has_min) {
+  if (bits == 4) return f16 ? run<4, true, true> : run<4, false, true>;
+  if (f16) return has_min ? run<8, true, true> : run<8, true, false>;
+  return has_min ? run<8, false, true> : run<8, false, false>;
+}
+
