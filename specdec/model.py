@@ -423,7 +423,11 @@ class ModelRunner:
                  DraftTree.from_chains(root, [[[1, 2], [3, 4, 5]]]),
                  DraftTree.chain(root, ids[:, :12]), DraftTree.from_chains(root, [[[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]]),
                  DraftTree.from_chains(root, [[[i, i + 1, i + 2] for i in range(1, 34, 3)]]))  # > 32 nodes: a wider mask
-        for tree in trees:
+        from tqdm import tqdm
+
+        # Minutes the first time on a CPU (seconds per graph from inductor's cache after): a bar, not a silent wait.
+        desc = f"compiling {type(self.model).__name__}" + (" (hidden states)" if return_hidden else "")
+        for tree in tqdm(trees, desc=desc, unit="graph", leave=False):
             self.forward_tree(tree, return_hidden, extra(tree.size))
         self.reset(1, 0)
 

