@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from specdec.gguf_blocks import AffineCodes, decode_blocks
+from specdec.kernels import has_native
 from specdec.kernels.quant import QuantWeight, pack_quant_weight, quant_linear
 from specdec.linear import SkinnyLinear
 
@@ -42,6 +43,7 @@ class QuantLinear(SkinnyLinear):
 
     quant_max_rows: int = QUANT_MAX_ROWS
     dense: bool = False
+    native: bool = False
 
     @classmethod
     def from_quant(cls, linear: nn.Linear, qweight: QuantWeight, max_rows: int = QUANT_MAX_ROWS) -> "QuantLinear":
@@ -52,6 +54,7 @@ class QuantLinear(SkinnyLinear):
                               prepack=linear.prepack if skinny else False)
         new.qweight = qweight
         new.quant_max_rows = max_rows
+        new.native = has_native("quant_linear")  # loads specdec._C, which registers torch.ops.specdec.quant_*
         return new
 
     def extra_repr(self) -> str:
@@ -70,7 +73,7 @@ class QuantLinear(SkinnyLinear):
         if self.dense or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
         k = self.in_features
-        if x.is_cpu and q.packed is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if x.is_cpu and q.packed is not None and self.native and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
             rows = x.numel() // k if k else 0
             if 0 < rows <= self.quant_max_rows and x.shape[-1] == k:
                 op = torch.ops.specdec.quant_linear.default
