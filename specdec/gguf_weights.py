@@ -26,8 +26,8 @@ from specdec.linear import SkinnyLinear
 
 WEIGHTS = ("auto", "gguf", "dense")
 
-# Rows up to which a CPU product runs the quantized kernel; a larger one (a prompt) rebuilds the fp32 weight
-# and calls the fp32 GEMM (see QuantLinear).
+# Rows up to which a CPU product runs the quantized kernel (level with the packed bf16 kernel from 8 to 64 rows on
+# a 2-core Xeon); a larger one (a prompt) runs on the dense weights (see QuantLinear).
 QUANT_MAX_ROWS = 64
 
 
@@ -35,8 +35,8 @@ class QuantLinear(SkinnyLinear):
     """A linear layer whose products run over a GGUF's quantized blocks (:func:`specdec.kernels.quant.quant_linear`).
 
     CPU products of up to ``quant_max_rows`` rows (decode and verification) stream the packed blocks; larger
-    ones (prompts) rebuild the fp32 weight from them and use torch's fp32 GEMM (in fp32 the dense Parameter is
-    that weight already). Either way the weight is the blocks' exact value. With gradients, or while
+    ones (prompts) use the dense weights through the :class:`SkinnyLinear` path (in fp32 the blocks' exact values,
+    in bf16 their rounding: a bf16 prompt is encoded with the bf16 model, as before this layer). With gradients, or while
     :func:`dense_weights` is on, the layer is the :class:`SkinnyLinear` it replaced (dense weights, the kernel
     ``--linear`` chose): the bench's ``hf`` baseline runs that way.
     """
@@ -79,11 +79,10 @@ class QuantLinear(SkinnyLinear):
                 op = torch.ops.specdec.quant_linear.default
                 y = op(x.reshape(rows, k), q.packed, q.n, k, q.bits, q.group, q.has_min, q.f16_scale, self.bias)
                 return y.view(x.shape[:-1] + (q.n,))
-            if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-                return super().forward(x)  # the dense fp32 weight is the blocks' exact value
-            w = torch.ops.specdec.quant_dequantize.default(q.packed, q.n, k, q.bits, q.group, q.has_min, q.f16_scale)
-            b = None if self.bias is None else self.bias.float()
-            return nn.functional.linear(x.float(), w, b).to(x.dtype)
+            # A prompt: the dense weights through the kernel --linear chose (in fp32 they are the blocks' exact
+            # values; in bf16 their rounding). Rebuilding fp32 weights from the blocks for every prompt cost 0.7 s a
+            # prompt on a 2-core Xeon (bench/RESULTS.md, Weights as shipped).
+            return super().forward(x)
         if x.device == q.device:
             return quant_linear(x, q, self.bias)
         return super().forward(x)
