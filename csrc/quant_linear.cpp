@@ -12,18 +12,21 @@
 //
 // Why: a one-row decode step is bound by the bytes of weights it reads. The GGUF's blocks are 4.5-8.5 bits
 // a weight where the dense bf16 copy is 16, so streaming the blocks as stored reads 2.8x fewer bytes for
-// SmolLM2's Q4_1/Q8_0 file. The activations are never quantized: each weight is rebuilt in fp32 in
-// registers, exactly the value transformers' dense fp32 model holds (code * scale is exact in fp32 for every
-// block type with a min, so fma(code, scale, min) rounds as the reference's multiply-then-add), and
-// multiplied into fp32 accumulators as in packed_linear.cpp.
+// SmolLM2's Q4_1/Q8_0 file. The activations are never quantized: the codes are widened to fp32 in registers
+// and every product is an fp32 multiply-add, as in packed_linear.cpp.
 //
-// The inner loop is packed_linear's outer product: one step widens 16 codes of each of NP panels to fp32
-// weights and broadcasts one x value per row into MR x NP accumulators.
+// The math, per output element and group g of G weights: dot = sum_j x_j * code_j (in order j = 0 .. G-1),
+// then acc += scale * dot, then acc += min * xs_g, where xs_g = sum_j x_j is computed once per call. That is
+// sum_j x_j * (code_j * scale + min), the dense product up to summation order (fp32 throughout), with two
+// multiply-adds a group for the affine part instead of one a weight.
 //
-// Batch invariance: every output element is one fp32 accumulator, updated once per k in order
-// k = 0 .. K-1 with the same multiply-add of the same rebuilt weight, then the bias, then one rounding to
-// the output dtype; row blocking never changes that sequence, so row m of a T-row verification equals,
-// bit for bit, the same row computed alone (one-token decoding).
+// The inner loop is packed_linear's outer product: one step widens 16 codes of each of NP panels to fp32 and
+// broadcasts one x value per row into MR x NP accumulators.
+//
+// Batch invariance: every output element's sequence of fp32 operations (the group dots, the two multiply-adds
+// per group, groups in order, then the bias, then one rounding to the output dtype) depends on its row alone;
+// row blocking never changes it, so row m of a T-row verification equals, bit for bit, the same row computed
+// alone (one-token decoding).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -84,14 +87,18 @@ struct Ops {
     if constexpr (F16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     else return _mm512_loadu_ps(p);
   }
-  // 16 bytes -> their low nibbles (lo) and high nibbles (hi) as fp32 codes.
-  static SPECDEC_INLINE void nibbles(const uint8_t* p, V& lo, V& hi) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-  }
-  static SPECDEC_INLINE V sbytes(const uint8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  // L bytes -> fp32 codes: 4 bits, the low halves of the bytes (c[0]) and the high halves (c[1]); 8 bits, the
+  // int8s (c[0]).
+  template <int BITS>
+  static SPECDEC_INLINE void codes(const uint8_t* p, V* c) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (BITS == 4) {
+      const __m512i b = _mm512_cvtepu8_epi32(raw);
+      c[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+      c[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    } else {
+      c[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+    }
   }
   static SPECDEC_INLINE void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 };
@@ -114,13 +121,16 @@ struct Ops {
     if constexpr (F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     else return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
   }
-  static SPECDEC_INLINE void nibbles(const uint8_t* p, V& lo, V& hi) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-  }
-  static SPECDEC_INLINE V sbytes(const uint8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  template <int BITS>
+  static SPECDEC_INLINE void codes(const uint8_t* p, V* c) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    if constexpr (BITS == 4) {
+      const __m256i b = _mm256_cvtepu8_epi32(raw);
+      c[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+      c[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    } else {
+      c[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    }
   }
   static SPECDEC_INLINE void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 };
@@ -149,16 +159,16 @@ struct Ops {
       return v;
     }
   }
-  static SPECDEC_INLINE void nibbles(const uint8_t* p, V& lo, V& hi) {
+  template <int BITS>
+  static SPECDEC_INLINE void codes(const uint8_t* p, V* c) {
     Vi b;
-    for (int i = 0; i < 8; ++i) b[i] = p[i];
-    lo = __builtin_convertvector(b & 15, V);
-    hi = __builtin_convertvector(b >> 4, V);
-  }
-  static SPECDEC_INLINE V sbytes(const uint8_t* p) {
-    Vi b;
-    for (int i = 0; i < 8; ++i) b[i] = static_cast<int8_t>(p[i]);
-    return __builtin_convertvector(b, V);
+    for (int i = 0; i < 8; ++i) b[i] = BITS == 4 ? p[i] : static_cast<int8_t>(p[i]);
+    if constexpr (BITS == 4) {
+      c[0] = __builtin_convertvector(b & 15, V);
+      c[1] = __builtin_convertvector(b >> 4, V);
+    } else {
+      c[0] = __builtin_convertvector(b, V);
+    }
   }
   static SPECDEC_INLINE void store(float* p, V v) { std::memcpy(p, &v, sizeof(v)); }
 };
@@ -254,10 +264,16 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64
   return y;
 }
 
-float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(h);
+// The fp16 or fp32 value at p.
+float param_at(const uint8_t* p, bool f16) {
+  if (f16) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return c10::detail::fp16_ieee_to_fp32_value(h);
+  }
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 at::Tensor quant_dequantize_cpu(const at::Tensor& packed, int64_t n, int64_t k, int64_t bits, int64_t group,
@@ -274,13 +290,8 @@ at::Tensor quant_dequantize_cpu(const at::Tensor& packed, int64_t n, int64_t k, 
         const uint8_t* c = base + (p * groups + g) * chunk;
         const uint8_t* codes = c + kPanel * sb * (has_min ? 2 : 1);
         for (int col = 0; col < kPanel && p * kPanel + col < n; ++col) {
-          float sc, mn = 0.0f;
-          if (f16_scale) sc = half_at(c + 2 * col);
-          else std::memcpy(&sc, c + 4 * col, 4);
-          if (has_min) {
-            if (f16_scale) mn = half_at(c + kPanel * 2 + 2 * col);
-            else std::memcpy(&mn, c + kPanel * 4 + 4 * col, 4);
-          }
+          const float sc = param_at(c + sb * col, f16_scale);
+          const float mn = has_min ? param_at(c + sb * (kPanel + col), f16_scale) : 0.0f;
           float* row = o + (p * kPanel + col) * k + g * group;
           for (int64_t j = 0; j < group; ++j) {
             const int code = bits == 8 ? static_cast<int8_t>(codes[j * kPanel + col])

@@ -46,32 +46,21 @@ SPECDEC_INLINE void micro(const Args& a, int64_t m0, int64_t p0) {
       for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 2
         for (int h = 0; h < H; ++h) dot[m][p][h] = Ops::zero();
-    if constexpr (BITS == 4) {
-      for (int j = 0; j < G / 2; ++j) {
+    // One step reads 16 bytes of each panel: S codes per column (two nibbles, or one int8).
+    constexpr int S = BITS == 4 ? 2 : 1;
+    for (int j = 0; j < G / S; ++j) {
 #pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p)
+      for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 2
-          for (int h = 0; h < H; ++h) {
-            VF c0, c1;
-            Ops::nibbles(q[p] + j * kPanel + h * L, c0, c1);
+        for (int h = 0; h < H; ++h) {
+          VF c[S];
+          Ops::template codes<BITS>(q[p] + j * kPanel + h * L, c);
 #pragma GCC unroll 8
-            for (int m = 0; m < MR; ++m) {
-              dot[m][p][h] = Ops::fma(Ops::bcast(xk + m * a.K + 2 * j), c0, dot[m][p][h]);
-              dot[m][p][h] = Ops::fma(Ops::bcast(xk + m * a.K + 2 * j + 1), c1, dot[m][p][h]);
-            }
-          }
-      }
-    } else {
-      for (int j = 0; j < G; ++j) {
-#pragma GCC unroll 4
-        for (int p = 0; p < NP; ++p)
+          for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 2
-          for (int h = 0; h < H; ++h) {
-            const VF c = Ops::sbytes(q[p] + j * kPanel + h * L);
-#pragma GCC unroll 8
-            for (int m = 0; m < MR; ++m) dot[m][p][h] = Ops::fma(Ops::bcast(xk + m * a.K + j), c, dot[m][p][h]);
-          }
-      }
+            for (int s = 0; s < S; ++s)
+              dot[m][p][h] = Ops::fma(Ops::bcast(xk + m * a.K + S * j + s), c[s], dot[m][p][h]);
+        }
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m)
