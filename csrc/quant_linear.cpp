@@ -49,8 +49,6 @@ namespace specdec {
 namespace {
 
 constexpr int kPanel = 16;
-// Distance ahead of the chunk being decoded at which the weight stream is prefetched (as packed_linear).
-constexpr int64_t kPrefetchBytes = 4096;
 
 struct Args {
   const float* x;      // [M, K] fp32 (widened once per call)

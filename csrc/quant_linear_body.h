@@ -2,7 +2,7 @@
 // inside a namespace that defines `Ops` (the vector type V of L fp32 lanes and the few operations the kernel needs)
 // under a `#pragma GCC target` for that ISA, so every function here is compiled for it.
 //
-// Expects in scope: Args, RunFn, kPanel, kPrefetchBytes, store_row (quant_linear.cpp).
+// Expects in scope: Args, RunFn, kPanel, store_row (quant_linear.cpp).
 
 // Rows [m0, m0 + MR) against panels [p0, p0 + NP), L lanes a vector (16 / L vectors a panel).
 template <int BITS, bool F16, bool MIN, int MR, int NP>
@@ -27,7 +27,10 @@ SPECDEC_INLINE void micro(const Args& a, int64_t m0, int64_t p0) {
 #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) {
       const uint8_t* c = a.w + ((p0 + p) * a.groups + g) * a.chunk;
-      for (int64_t o = 0; o < a.chunk; o += 64) __builtin_prefetch(c + kPrefetchBytes + o);  // every line of the chunk
+      // Every line of the same chunk of the next NP panels (the next register block's): far enough ahead to hide
+      // the memory's latency in a call of a few panels a thread.
+      const int64_t ahead = NP * a.groups * a.chunk;
+      for (int64_t o = 0; o < a.chunk; o += 64) __builtin_prefetch(c + ahead + o);
 #pragma GCC unroll 2
       for (int h = 0; h < H; ++h) {
         sc[p][h] = Ops::template scale<F16>(c + h * L * SB);
