@@ -6,7 +6,7 @@ warm up on one short prompt, then one ``generate_ids`` call over the first ``B``
 thread samples the process's resident memory every millisecond. The measured figure is the peak less the
 resident memory just before the call; the estimate is :func:`specdec.memory.estimate` for the same call::
 
-    python -m bench.memory --batches 1,16,64 --method pld --dtype fp32 --json bench/results/memory_fp32.json
+    python -m bench.memory --batches 1,16,64 --method pld --dtype fp32 --json bench/results/memory_estimate.json
 """
 from __future__ import annotations
 
