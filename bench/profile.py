@@ -322,8 +322,7 @@ def model_linears(args: argparse.Namespace) -> None:
             if kernel == "packed":
                 op(x, lin.packed_weight(), lin.out_features, lin.bias)
             elif kernel == "quant":
-                q = lin.qweight
-                torch.ops.specdec.quant_linear(x, q.packed, q.n, q.k, q.bits, q.group, q.has_min, q.f16_scale, lin.bias)
+                quant_call(x, lin.qweight, lin.bias)
             else:
                 torch.nn.functional.linear(x, lin.weight, lin.bias)
 
@@ -338,6 +337,7 @@ def model_linears(args: argparse.Namespace) -> None:
            "weight_mib": round(mb, 1), "cpu": cpu_name()}
     if "quant" in kernels:
         out["quant_mib"] = round(sum(lin.qweight.nbytes for lin in layers) / 2**20, 1)
+        out["quant_one_row"] = quant_one_row_split(layers, args.repeats)
     for kernel in kernels:
         key = "ms" if kernel == "packed" else f"ms_{kernel}"
         out[key] = {m: round(best.ms((kernel, m)), 2) for m in rows}
@@ -345,6 +345,42 @@ def model_linears(args: argparse.Namespace) -> None:
         print(f"{kernel}: {len(layers)} weights, {size:.0f} MiB, {out['threads']} threads, best of {args.repeats}, ms: "
               + "  ".join(f"M={m}: {v:.1f} ({size * 2**20 / v / 1e6:.1f} GB/s)" for m, v in out[key].items()))
     finish(out, args.json)
+
+
+def quant_call(x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.Tensor:
+    """One ``specdec::quant_linear`` call on a packed weight, as the compiled graphs make it (the op's overload)."""
+    return torch.ops.specdec.quant_linear.default(x, q.packed, q.n, q.k, q.bits, q.group, q.has_min, q.f16_scale, bias)
+
+
+def quant_one_row_split(layers: list, repeats: int) -> dict:
+    """Where a one-row pass over the quantized weights goes: the decoder layers' weights (many small calls) against
+    the largest one (the LM head, one long stream), and the fixed cost of one call (a 16 x 32 weight: dispatch,
+    argument checks, the thread pool), each the best of ``repeats`` x 20 passes."""
+    from specdec.gguf_blocks import AffineCodes
+    from specdec.kernels.quant import pack_quant_weight
+
+    tiny = pack_quant_weight(AffineCodes(torch.zeros(16, 32, dtype=torch.int8), torch.ones(16, 1), torch.zeros(16, 1),
+                                         4, 32, True, "Q4_1"))
+    dtype = layers[0].weight.dtype
+    head = max(layers, key=lambda lin: lin.qweight.nbytes)
+    rest = [lin for lin in layers if lin is not head]
+    xs = {k: torch.randn(1, k, dtype=dtype) for k in {lin.in_features for lin in layers} | {32}}
+    parts = {"layers": lambda: [quant_call(xs[lin.in_features], lin.qweight, lin.bias) for lin in rest],
+             "head": lambda: quant_call(xs[head.in_features], head.qweight, head.bias),
+             "call": lambda: [quant_call(xs[32], tiny, None) for _ in range(100)]}
+    best = Best()
+    with torch.inference_mode():
+        for _ in range(repeats * 20):
+            for name, fn in parts.items():
+                best.keep(name, elapsed(fn))
+    nbytes = {"layers": sum(lin.qweight.nbytes for lin in rest), "head": head.qweight.nbytes}
+    out = {"layers": len(rest), "layers_ms": round(best.ms("layers"), 2),
+           "layers_gb_s": round(nbytes["layers"] / best.ms("layers") / 1e6, 1),
+           "head_ms": round(best.ms("head"), 2), "head_gb_s": round(nbytes["head"] / best.ms("head") / 1e6, 1),
+           "call_us": round(best.ms("call") * 10, 1)}
+    print(f"quant, one row: {out['layers']} decoder weights {out['layers_ms']} ms ({out['layers_gb_s']} GB/s), "
+          f"the LM head {out['head_ms']} ms ({out['head_gb_s']} GB/s); one call's fixed cost {out['call_us']} us")
+    return out
 
 
 # ----------------------------------------------------------------------------------------

@@ -6,33 +6,18 @@ a GPU they run on CUDA tensors. Shapes are small: the interpreter executes every
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+from tests.triton_device import INTERPRET, triton_device  # noqa: I001  (before anything imports triton)
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
-
 import specdec.kernels as K
 from specdec.kernels import _dispatch, reference
 from specdec.tree import SparseProbs, ancestor_mask
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(triton.language.standard.topk, InterpretedFunction):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: export TRITON_INTERPRET=1",
-                    allow_module_level=True)
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    pytest.skip("no GPU and TRITON_INTERPRET != 1: nothing can run the Triton kernels", allow_module_level=True)
+DEVICE = triton_device()
 
 from specdec.triton_kernels import topk_entropy as topk_mod
 from specdec.triton_kernels import tree_attention as attn_mod

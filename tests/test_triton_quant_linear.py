@@ -7,29 +7,14 @@ small: the interpreter executes every program in Python.
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+from tests.triton_device import triton_device  # noqa: I001  (before anything imports triton)
 
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
-
 from specdec.kernels import quant_reference as ref
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(triton.language.standard.topk, InterpretedFunction):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: export TRITON_INTERPRET=1",
-                    allow_module_level=True)
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    pytest.skip("no GPU and TRITON_INTERPRET != 1: nothing can run the Triton kernels", allow_module_level=True)
+DEVICE = triton_device()
 
 from specdec.triton_kernels.quant_linear import quant_linear
 
