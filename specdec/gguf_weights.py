@@ -80,8 +80,8 @@ class QuantLinear(SkinnyLinear):
                 y = op(x.reshape(rows, k), q.packed, q.n, k, q.bits, q.group, q.has_min, q.f16_scale, self.bias)
                 return y.view(x.shape[:-1] + (q.n,))
             # A prompt: the dense weights through the kernel --linear chose (in fp32 they are the blocks' exact
-            # values; in bf16 their rounding). Rebuilding fp32 weights from the blocks for every prompt cost 0.7 s a
-            # prompt on a 2-core Xeon (bench/RESULTS.md, Weights as shipped).
+            # values; in bf16 their rounding). Rebuilding fp32 weights from the blocks for every prompt took 23% of
+            # `ar`'s time on a 2-core Xeon (bench/RESULTS.md, Weights as shipped).
             return super().forward(x)
         if x.device == q.device:
             return quant_linear(x, q, self.bias)
