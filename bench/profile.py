@@ -208,7 +208,10 @@ what the drafts must pay for: the growth from T = 1, split into its parts.
 With ``--compile`` a second runner over the same model runs its forwards through ``torch.compile``
 (:class:`specdec.model.ModelRunner` ``compile=True``), and its whole forward is timed in the same rounds
 (``compiled@T``), next to the eager runner's without hooks (``eager@T``; the ``forward`` column includes the
-hooks' own cost); hooks would break its graph, so it gets no linear/rest split.
+hooks' own cost); hooks would break its graph, so it gets no linear/rest split. ``--ungrouped`` adds a third runner, compiled without
+:mod:`specdec.compile_passes` (``ungrouped@T``): what grouping the quantized products that share an input is worth.
+
+    python -m bench.profile forward-split --dtype bf16 --context 200 --sizes 1,4 --compile --ungrouped
 """
 
 
@@ -234,10 +237,14 @@ def forward_split(args: argparse.Namespace) -> None:
     vocab = runner.config.vocab_size
     prompt = torch.randint(vocab, (1, args.context), generator=gen)
     compiled = None
+    ungrouped = None
     if args.compile:
         compiled = ModelRunner(runner.model, compile=True)
         compiled.warm_up()  # before the hooks: they are not traced into its graphs
-    for r in [runner] + ([compiled] if compiled else []):
+        if args.ungrouped:
+            ungrouped = ModelRunner(runner.model, compile=True, compile_options={})
+            ungrouped.warm_up()
+    for r in [runner] + [c for c in (compiled, ungrouped) if c is not None]:
         r.reset(1, args.context + max(sizes) + 1)
         r.prefill(prompt, torch.tensor([args.context]))
 
@@ -259,7 +266,9 @@ def forward_split(args: argparse.Namespace) -> None:
                     for h in hooks:  # the compiled graphs were traced without them; keep it that way
                         h.remove()
                     for _ in range(args.repeats):  # both without hooks: they cost ~2 us each, 422 per forward
-                        for part, r in (("eager", runner), ("compiled", compiled)):
+                        for part, r in (("eager", runner), ("compiled", compiled), ("ungrouped", ungrouped)):
+                            if r is None:
+                                continue
                             best.keep((part, t), elapsed(r.forward_tree, tree))
                     hooks = add_hooks()
                 xs = inputs_by_width(linears, (1, t), linears[0].weight.dtype, gen)
@@ -272,12 +281,15 @@ def forward_split(args: argparse.Namespace) -> None:
         h.remove()
     print(f"{args.model} {args.dtype}, {args.context}-token context, {torch.get_num_threads()} thread(s), "
           f"best of {args.rounds} x {args.repeats}, ms")
-    print("T      forward  linears (in forward)  linears (alone)  rest of forward" + ("  eager (no hooks)  compiled" if compiled else ""))
+    print("T      forward  linears (in forward)  linears (alone)  rest of forward" + ("  eager (no hooks)  compiled" if compiled else "")
+          + ("  ungrouped" if ungrouped else ""))
     for t in sizes:
         f, li, la = (best.ms((p, t)) for p in ("forward", "linears_in_forward", "linears_alone"))
         extra = f"  {best.ms(('eager', t)):16.1f}  {best.ms(('compiled', t)):8.1f}" if compiled else ""
+        extra += f"  {best.ms(('ungrouped', t)):9.1f}" if ungrouped else ""
         print(f"{t:<6} {f:8.1f}  {li:20.1f}  {la:15.1f}  {f - li:15.1f}{extra}")
-    parts = ["forward", "linears_in_forward", "linears_alone"] + (["eager", "compiled"] if compiled else [])
+    parts = (["forward", "linears_in_forward", "linears_alone"] + (["eager", "compiled"] if compiled else [])
+             + (["ungrouped"] if ungrouped else []))
     ms = {f"{part}@{t}": round(best.ms((part, t)), 2) for t in sizes for part in parts}
     finish({"model": args.model, "dtype": args.dtype, "context": args.context,
             "threads": torch.get_num_threads(), "ms": ms}, args.json)
@@ -596,6 +608,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="also time a compiled runner's forwards")
+    p.add_argument("--ungrouped", action="store_true",
+                   help="with --compile, also a compiled runner without specdec.compile_passes (each quantized "
+                        "product its own call): the grouping's A/B")
     p.set_defaults(run=forward_split)
 
     p = subcommand(subs, "model-linears", MODEL_LINEARS)

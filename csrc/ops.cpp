@@ -26,6 +26,8 @@ TORCH_LIBRARY(specdec, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias=None) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor packed, int n, int k, int bits, int group, bool has_min, bool f16_scale, "
         "Tensor? bias=None) -> Tensor");
+  m.def("quant_linear_group(Tensor x, Tensor[] packed, int[] n, int k, int bits, int group, bool has_min, "
+        "bool f16_scale, Tensor?[] bias) -> Tensor[]");
   m.def("quant_dequantize(Tensor packed, int n, int k, int bits, int group, bool has_min, bool f16_scale) -> Tensor");
   m.def("tree_verify_greedy(Tensor tokens, Tensor parents, Tensor target_logits, Tensor? valid=None) -> "
         "(Tensor path, Tensor length, Tensor next_token)");

@@ -210,30 +210,26 @@ void check_format(const char* op, const at::Tensor& packed, int64_t n, int64_t k
               "] for N = ", n, ", K = ", k, ", got ", packed.sizes());
 }
 
-at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t bits,
-                            int64_t group, bool has_min, bool f16_scale, const std::optional<at::Tensor>& bias) {
-  check_format("quant_linear", packed, n, k, bits, group, has_min, f16_scale);
-  TORCH_CHECK(x.device().is_cpu(), "quant_linear: x must be on the CPU");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "quant_linear: x must be [M, K = ", k, "], got ", x.sizes());
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "quant_linear: x must be fp32, bf16 or fp16, got ", dtype);
-  const at::Tensor b = linear::bias_fp32("quant_linear", bias, n, dtype);
-  auto y = at::empty({x.size(0), n}, x.options());
-  const int64_t M = x.size(0), P = packed.size(0);
-  if (M == 0 || n == 0) return y;
-  if (k == 0) return b.defined() ? y.copy_(b.expand({M, n})) : y.zero_();
-  const auto xc = x.contiguous();
-  const auto w = packed.contiguous();
-  // fp32 sums go straight to y; for a half-precision y into a per-thread buffer, rounded once after.
-  thread_local std::vector<float> sums;
-  float* y32 = nullptr;
-  if (dtype == at::kFloat) {
-    y32 = y.mutable_data_ptr<float>();
-  } else {
-    sums.resize(static_cast<size_t>(M * n));
-    y32 = sums.data();
+// One weight of a call: its packed panels, its bias (contiguous fp32, or undefined) and its output [M, n].
+struct Product {
+  at::Tensor w, b, y;
+  int64_t n;
+};
+
+// y_i = x . W_i^T + b_i for weights of one format over one x [M, K]: x is widened and its group sums taken once,
+// and one pass of the thread pool covers the panels of every weight. Each output element's operations are those
+// of a call with its weight alone (the micro-kernel's order does not depend on which panels share a task), so a
+// group's outputs equal the separate calls' bit for bit.
+void run_products(const at::Tensor& x, std::vector<Product>& ps, int64_t k, int64_t bits, int64_t group,
+                  bool has_min, bool f16_scale) {
+  const int64_t M = x.size(0);
+  if (M == 0) return;
+  if (k == 0) {
+    for (auto& p : ps) p.b.defined() ? p.y.copy_(p.b.expand({M, p.n})) : p.y.zero_();
+    return;
   }
+  const auto dtype = x.scalar_type();
+  const auto xc = x.contiguous();
   const float* xf = linear::rows_fp32(xc);
   thread_local std::vector<float> xsums;
   const int64_t groups = k / group;
@@ -244,22 +240,87 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64
       for (int64_t j = 0; j < group; ++j) t += xf[m * k + g * group + j];
       xsums[m * groups + g] = t;
     }
-  const Args a{xf, xsums.data(), w.const_data_ptr<uint8_t>(), b.defined() ? b.const_data_ptr<float>() : nullptr,
-               y32, M, n, k, k / group, w.size(2), static_cast<int>(group)};
-  const RunFn fn = pick_format(bits, f16_scale, has_min);
+  // fp32 sums go straight to y; for a half-precision y into a per-thread buffer, rounded once after.
+  thread_local std::vector<float> sums;
+  if (dtype != at::kFloat) {
+    int64_t total = 0;
+    for (const auto& p : ps) total += M * p.n;
+    sums.resize(static_cast<size_t>(total));
+  }
   const int64_t unit = panels_per_unit(M);
-  const int64_t units = (P + unit - 1) / unit;
+  std::vector<Args> args;
+  std::vector<int64_t> first{0};  // first[i]: the index of weight i's first unit of panels
+  int64_t offset = 0;
+  for (auto& p : ps) {
+    float* y32 = dtype == at::kFloat ? p.y.mutable_data_ptr<float>() : sums.data() + offset;
+    offset += M * p.n;
+    args.push_back(Args{xf, xsums.data(), p.w.const_data_ptr<uint8_t>(),
+                        p.b.defined() ? p.b.const_data_ptr<float>() : nullptr, y32, M, p.n, k, groups, p.w.size(2),
+                        static_cast<int>(group)});
+    first.push_back(first.back() + (p.w.size(0) + unit - 1) / unit);
+  }
+  const RunFn fn = pick_format(bits, f16_scale, has_min);
   // A task gets at least ~64K weights (below that, waking the pool costs more than the work).
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(unit * kPanel * k, 1));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) { fn(a, begin * unit, std::min(end * unit, P)); });
-  if (dtype == at::kBFloat16) {
-    auto* out = y.mutable_data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < M * n; ++i) out[i] = static_cast<at::BFloat16>(y32[i]);
-  } else if (dtype == at::kHalf) {
-    auto* out = y.mutable_data_ptr<at::Half>();
-    for (int64_t i = 0; i < M * n; ++i) out[i] = static_cast<at::Half>(y32[i]);
+  at::parallel_for(0, first.back(), grain, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const int64_t lo = std::max(begin, first[i]) - first[i], hi = std::min(end, first[i + 1]) - first[i];
+      if (lo < hi) fn(args[i], lo * unit, std::min(hi * unit, ps[i].w.size(0)));
+    }
+  });
+  offset = 0;
+  for (auto& p : ps) {
+    const float* src = sums.data() + offset;
+    offset += M * p.n;
+    if (dtype == at::kBFloat16) {
+      auto* out = p.y.mutable_data_ptr<at::BFloat16>();
+      for (int64_t i = 0; i < M * p.n; ++i) out[i] = static_cast<at::BFloat16>(src[i]);
+    } else if (dtype == at::kHalf) {
+      auto* out = p.y.mutable_data_ptr<at::Half>();
+      for (int64_t i = 0; i < M * p.n; ++i) out[i] = static_cast<at::Half>(src[i]);
+    }
   }
-  return y;
+}
+
+at::ScalarType check_x(const char* op, const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, op, ": x must be [M, K = ", k, "], got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": x must be fp32, bf16 or fp16, got ", dtype);
+  return dtype;
+}
+
+at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t bits,
+                            int64_t group, bool has_min, bool f16_scale, const std::optional<at::Tensor>& bias) {
+  check_format("quant_linear", packed, n, k, bits, group, has_min, f16_scale);
+  const auto dtype = check_x("quant_linear", x, k);
+  std::vector<Product> ps{{packed.contiguous(), linear::bias_fp32("quant_linear", bias, n, dtype),
+                           at::empty({x.size(0), n}, x.options()), n}};
+  if (n > 0) run_products(x, ps, k, bits, group, has_min, f16_scale);
+  return ps[0].y;
+}
+
+// specdec::quant_linear_group: the products of one x with several weights of one format (a layer's q, k and v
+// projections, or its gate and up projections) in one call, as specdec/compile_passes.py groups them: one pass of
+// the thread pool where separate calls would pay its fixed cost once a weight.
+std::vector<at::Tensor> quant_linear_group_cpu(const at::Tensor& x, at::TensorList packed, at::IntArrayRef n,
+                                               int64_t k, int64_t bits, int64_t group, bool has_min, bool f16_scale,
+                                               const c10::List<std::optional<at::Tensor>>& bias) {
+  TORCH_CHECK(packed.size() == n.size() && bias.size() == n.size(), "quant_linear_group: ", packed.size(),
+              " packed weights, ", n.size(), " sizes and ", bias.size(), " biases: one each per weight");
+  const auto dtype = check_x("quant_linear_group", x, k);
+  std::vector<Product> ps;
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < n.size(); ++i) {
+    check_format("quant_linear_group", packed[i], n[i], k, bits, group, has_min, f16_scale);
+    out.push_back(at::empty({x.size(0), n[i]}, x.options()));
+    if (n[i] > 0)
+      ps.push_back({packed[i].contiguous(), linear::bias_fp32("quant_linear_group", bias.get(i), n[i], dtype),
+                    out.back(), n[i]});
+  }
+  run_products(x, ps, k, bits, group, has_min, f16_scale);
+  return out;
 }
 
 // The fp16 or fp32 value at p.
@@ -307,6 +368,7 @@ at::Tensor quant_dequantize_cpu(const at::Tensor& packed, int64_t n, int64_t k, 
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("quant_linear", &quant_linear_cpu);
+  m.impl("quant_linear_group", &quant_linear_group_cpu);
   m.impl("quant_dequantize", &quant_dequantize_cpu);
 }
 

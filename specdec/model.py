@@ -309,7 +309,8 @@ class ModelRunner:
     docstring): those of the last :meth:`forward_tree`, or of a tree grown with :meth:`forward_pending`.
     """
 
-    def __init__(self, model: PreTrainedModel, attention: str | None = None, compile: bool = False):
+    def __init__(self, model: PreTrainedModel, attention: str | None = None, compile: bool = False,
+                 compile_options: dict | None = None):
         """attention: ``"kernel"`` or ``"sdpa"`` (default: :func:`default_attention`).
 
         compile: run verification forwards (every forward but the prompt's) through ``torch.compile`` of
@@ -317,6 +318,9 @@ class ModelRunner:
         per-module Python between them; the prompt, whose products are large, stays eager. The model object
         itself is not changed: other callers (``model.generate``) stay eager. The first forward of each kind
         (one token, a chain, a tree) compiles; :meth:`warm_up` does that up front.
+
+        compile_options: inductor's options for it (default :func:`specdec.compile_passes.compile_options`: the
+        quantized products that share an input run as one call; ``{}`` for none, an A/B run's other arm).
         """
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("specdec supports decoder-only models")
@@ -341,7 +345,10 @@ class ModelRunner:
             # The bound forward is compiled, not the module: module hooks added later (the bench's call
             # counter) would otherwise force a recompile. They do not run for compiled calls, which
             # ``compiled_calls`` counts instead.
-            self._compiled = torch.compile(model.forward, dynamic=True)
+            from specdec.compile_passes import compile_options as default_options
+
+            options = default_options() if compile_options is None else compile_options
+            self._compiled = torch.compile(model.forward, dynamic=True, options=options)
         self.compiled_calls = 0
         self.reset(1, 0)
 

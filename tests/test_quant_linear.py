@@ -165,3 +165,43 @@ def test_fuzz_shapes():
         ref = reference(x.float(), ac, None)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(y.double(), ref.to(dtype).double(), rtol=tol, atol=tol * (ref.abs().max().item() + 1))
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 9, 40])
+def test_group_equals_the_separate_calls(fmt, dtype, m):
+    """One grouped call (a layer's q, k, v) returns each weight's separate product bit for bit, biases included."""
+    from specdec.kernels.quant import quant_linear_group
+
+    k = fmt[1] * 5
+    weights = [pack_quant_weight(random_codes(n, k, *fmt, seed=n)) for n in (70, 16, 3, 33)]
+    g = torch.Generator().manual_seed(m)
+    biases = [None, torch.randn(16, generator=g).to(dtype), None, torch.randn(33, generator=g).to(dtype)]
+    x = torch.randn(2, m, k, generator=g).to(dtype)
+    ys = quant_linear_group(x, weights, biases)
+    assert len(ys) == 4
+    for y, w, b in zip(ys, weights, biases):
+        assert y.shape == (2, m, w.n) and y.dtype == dtype
+        assert torch.equal(y, quant_linear(x, w, b))
+
+
+def test_group_mixed_formats_and_bad_input():
+    """Weights of different formats fall back to separate calls; the op refuses lists that do not match."""
+    from specdec.kernels.quant import quant_linear_group
+
+    a, b = pack_quant_weight(random_codes(16, 64, 4, 32, True, True)), pack_quant_weight(random_codes(8, 64, 8, 32, False, True))
+    x = torch.randn(3, 64)
+    for y, w in zip(quant_linear_group(x, [a, b]), (a, b)):
+        assert torch.equal(y, quant_linear(x, w))
+    assert quant_linear_group(x, []) == []
+    with pytest.raises(ValueError, match="biases"):
+        quant_linear_group(x, [a, a], [None])
+    with pytest.raises(ValueError, match="K = 64"):
+        quant_linear_group(torch.randn(3, 32), [a, a])
+    with pytest.raises(RuntimeError, match="one each per weight"):
+        torch.ops.specdec.quant_linear_group(x, [a.packed, a.packed], [16], 64, 4, 32, True, True, [None, None])
+    with pytest.raises(RuntimeError, match="packed must be"):
+        torch.ops.specdec.quant_linear_group(x, [a.packed, b.packed], [16, 8], 64, 4, 32, True, True, [None, None])
+    assert [y.shape for y in torch.ops.specdec.quant_linear_group(torch.randn(0, 64), [a.packed], [16], 64, 4, 32,
+                                                                  True, True, [None])] == [(0, 16)]

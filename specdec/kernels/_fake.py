@@ -93,6 +93,13 @@ def _quant_linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bi
     return x.new_empty((x.shape[0], n))
 
 
+@torch.library.register_fake("specdec::quant_linear_group")
+def _quant_linear_group_fake(x: torch.Tensor, packed: list[torch.Tensor], n: list[int], k: int, bits: int, group: int,
+                             has_min: bool, f16_scale: bool, bias: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``[M, n_i]`` in x's dtype, one per weight."""
+    return [x.new_empty((x.shape[0], ni)) for ni in n]
+
+
 @torch.library.register_fake("specdec::quant_dequantize")
 def _quant_dequantize_fake(packed: torch.Tensor, n: int, k: int, bits: int, group: int, has_min: bool,
                            f16_scale: bool) -> torch.Tensor:

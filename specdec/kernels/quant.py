@@ -179,3 +179,37 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
         y = torch.nn.functional.linear(x2.float(), weight.dequantize("torch" if route == "torch" else None),
                                        None if bias is None else bias.float()).to(x.dtype)
     return y.view(*x.shape[:-1], weight.n)
+
+
+def quant_linear_group(x: torch.Tensor, weights: list[QuantWeight],
+                       biases: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    """``[x . W_i^T + b_i]`` for several weights over one x, in one call of the CPU kernel where the weights share
+    a format (bits, group, scale type, min) and are packed for the CPU; otherwise one :func:`quant_linear` each.
+
+    Args:
+        x: ``[..., K]`` fp32/bf16/fp16; weights: :class:`QuantWeight` ``[N_i, K]`` on x's device; biases: ``[N_i]``
+        in x's dtype or None, one per weight (default: none).
+    Returns:
+        ``[..., N_i]`` per weight, each equal bit for bit to ``quant_linear(x, weights[i], biases[i])``.
+    """
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if len(biases) != len(weights):
+        raise ValueError(f"{len(weights)} weights but {len(biases)} biases")
+    if not weights:
+        return []
+    w0 = weights[0]
+    same = all((w.k, w.bits, w.group, w.has_min, w.f16_scale) == (w0.k, w0.bits, w0.group, w0.has_min, w0.f16_scale)
+               and w.packed is not None for w in weights)
+    if not (same and x.is_cpu and native_ops() is not None and hasattr(native_ops(), "quant_linear_group")):
+        return [quant_linear(x, w, b) for w, b in zip(weights, biases)]
+    for w, b in zip(weights, biases):  # the single call's checks, per weight
+        if x.dim() < 1 or x.shape[-1] != w.k:
+            raise ValueError(f"x must be [..., K = {w.k}], got shape {tuple(x.shape)}")
+        if b is not None and (tuple(b.shape) != (w.n,) or b.dtype != x.dtype):
+            raise ValueError(f"bias must be [N = {w.n}] in x's dtype {x.dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"quant_linear supports fp32/bf16/fp16 activations, got {x.dtype}")
+    x2 = x.reshape(math.prod(x.shape[:-1]), w0.k)
+    ys = native_ops().quant_linear_group(x2, [w.packed for w in weights], [w.n for w in weights], w0.k, w0.bits,
+                                         w0.group, w0.has_min, w0.f16_scale, biases)
+    return [y.view(*x.shape[:-1], w.n) for y, w in zip(ys, weights)]

@@ -1,0 +1,82 @@
+"""Inductor graph passes for the runner's compiled forwards (:class:`specdec.model.ModelRunner` ``compile=True``).
+
+:class:`GroupQuantLinears` turns the ``specdec::quant_linear`` calls of a graph that read one input with weights of
+one format (a layer's q, k and v projections; its gate and up projections) into one ``specdec::quant_linear_group``
+call. Why: a one-token step of SmolLM2-135M makes 211 quantized products of a few hundred KB each, and a call's fixed
+cost (widening x, the thread pool's wake-up and join) was 8.4 us of a 2-core Xeon's step, where its 210 decoder
+weights streamed at 8.6 GB/s against 20.5 GB/s for the one large LM head (bench/RESULTS.md, Weights as shipped).
+Grouped, a layer makes 4 calls instead of 7. The outputs are the separate calls' bit for bit
+(csrc/quant_linear.cpp), so the pass changes no result.
+
+transformers' attention and MLP modules call their projections one by one, and the model code is not ours to change:
+the grouping happens on the traced graph, where the calls sit side by side, which is what inductor's own passes
+are for. Eager forwards keep the separate calls.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+_VIEWS = ("view", "reshape", "_unsafe_view")
+
+
+def _source(node):
+    """A hashable name for the value ``node`` computes, equal for views of one value with the same sizes (each
+    projection reshapes its input on its own)."""
+    if isinstance(node, torch.fx.Node) and node.op == "call_function":
+        packet = getattr(node.target, "_overloadpacket", None)
+        if packet is not None and packet.__name__ in _VIEWS and len(node.args) == 2:
+            sizes = node.args[1]
+            return ("view", _source(node.args[0]), tuple(sizes) if isinstance(sizes, (list, tuple)) else sizes)
+    return node
+
+
+class GroupQuantLinears(CustomGraphPass):
+    """Post-grad pass: ``quant_linear`` calls over one input and one weight format become one ``quant_linear_group``
+    call, placed where the first of them was (``torch.compile(..., options={"post_grad_custom_post_pass": ...})``)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        single = torch.ops.specdec.quant_linear.default
+        groups: dict[tuple, list[torch.fx.Node]] = {}
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is single:
+                x, _, _, k, bits, group, has_min, f16 = node.args[:8]
+                groups.setdefault((_source(x), k, bits, group, has_min, f16), []).append(node)
+        for members in groups.values():
+            # The group runs where its first member was: the others' weights and biases must exist by then.
+            at = order[members[0]]
+            members = [m for m in members
+                       if all(order.get(a, -1) < at for a in (m.args[1], _bias(m)) if isinstance(a, torch.fx.Node))]
+            if len(members) > 1:
+                _fuse(graph, members)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))  # inductor's cache key: a changed pass recompiles
+
+
+def _bias(node: torch.fx.Node):
+    return node.args[8] if len(node.args) > 8 else node.kwargs.get("bias")
+
+
+def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
+    first = members[0]
+    x, _, _, k, bits, group, has_min, f16 = first.args[:8]
+    with graph.inserting_before(first):
+        fused = graph.call_function(torch.ops.specdec.quant_linear_group.default,
+                                    (x, [m.args[1] for m in members], [m.args[2] for m in members], k, bits, group,
+                                     has_min, f16, [_bias(m) for m in members]))
+        fused.meta["val"] = [m.meta.get("val") for m in members]
+        for i, m in enumerate(members):
+            item = graph.call_function(operator.getitem, (fused, i))
+            item.meta["val"] = m.meta.get("val")
+            m.replace_all_uses_with(item)
+    for m in members:
+        graph.erase_node(m)
+
+
+def compile_options() -> dict:
+    """The inductor options of the runner's compiled forwards."""
+    return {"post_grad_custom_post_pass": GroupQuantLinears()}
