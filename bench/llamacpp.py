@@ -78,7 +78,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     tokens, seconds = sum(r["new_tokens"] for r in runs), sum(r["seconds"] for r in runs)
     result = {"config": {"engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, "gguf": args.gguf or default_gguf(),
                          "threads": args.threads, "max_new_tokens": args.max_new_tokens, "prompts": len(runs),
-                         "cpu": _cpu()},
+                         "cpu": _cpu(), "system_info": llama_cpp.llama_print_system_info().decode().strip()},
               "summary": {"llama.cpp": {"tokens_per_second": tokens / seconds, "tokens": tokens, "seconds": seconds}},
               "runs": runs}
     print(f"llama.cpp greedy: {tokens} tokens in {seconds:.1f} s, {tokens / seconds:.1f} tok/s "

@@ -208,11 +208,21 @@ what the drafts must pay for: the growth from T = 1, split into its parts.
 With ``--compile`` a second runner over the same model runs its forwards through ``torch.compile``
 (:class:`specdec.model.ModelRunner` ``compile=True``), and its whole forward is timed in the same rounds
 (``compiled@T``), next to the eager runner's without hooks (``eager@T``; the ``forward`` column includes the
-hooks' own cost); hooks would break its graph, so it gets no linear/rest split. ``--ungrouped`` adds a third runner, compiled without
-:mod:`specdec.compile_passes` (``ungrouped@T``): what grouping the quantized products that share an input is worth.
+hooks' own cost); hooks would break its graph, so it gets no linear/rest split. ``--ablate`` adds one compiled
+runner per option of :func:`specdec.compile_passes.compile_options` with that option undone (``ungrouped@T``: the
+quantized products that share an input called one by one; ``asserts@T``: inductor's size and alignment asserts
+back on): what each is worth. Compiled runners compile lazily, on their first timed call (a slow sample that the
+best-of leaves out), so only the graphs of the sizes asked for are built.
 
-    python -m bench.profile forward-split --dtype bf16 --context 200 --sizes 1,4 --compile --ungrouped
+    python -m bench.profile forward-split --dtype bf16 --context 200 --sizes 1,4 --compile --ablate
 """
+
+
+# What forward-split --ablate undoes of specdec.compile_passes.compile_options(), one compiled runner each.
+ABLATIONS = {
+    "ungrouped": lambda o: {k: v for k, v in o.items() if k != "post_grad_custom_post_pass"},
+    "asserts": lambda o: {**o, "size_asserts": True, "alignment_asserts": True},
+}
 
 
 def forward_split(args: argparse.Namespace) -> None:
@@ -236,15 +246,14 @@ def forward_split(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     vocab = runner.config.vocab_size
     prompt = torch.randint(vocab, (1, args.context), generator=gen)
-    compiled = None
-    ungrouped = None
+    arms = {}  # compiled runners by name; their graphs are traced when hooks are off (below)
     if args.compile:
-        compiled = ModelRunner(runner.model, compile=True)
-        compiled.warm_up()  # before the hooks: they are not traced into its graphs
-        if args.ungrouped:
-            ungrouped = ModelRunner(runner.model, compile=True, compile_options={})
-            ungrouped.warm_up()
-    for r in [runner] + [c for c in (compiled, ungrouped) if c is not None]:
+        from specdec.compile_passes import compile_options
+
+        arms["compiled"] = ModelRunner(runner.model, compile=True)
+        for name, undo in (ABLATIONS.items() if args.ablate else ()):
+            arms[name] = ModelRunner(runner.model, compile=True, compile_options=undo(compile_options()))
+    for r in [runner, *arms.values()]:
         r.reset(1, args.context + max(sizes) + 1)
         r.prefill(prompt, torch.tensor([args.context]))
 
@@ -262,13 +271,11 @@ def forward_split(args: argparse.Namespace) -> None:
                     spent[0] = 0.0
                     best.keep(("forward", t), elapsed(runner.forward_tree, tree))
                     best.keep(("linears_in_forward", t), spent[0])
-                if compiled is not None:
+                if arms:
                     for h in hooks:  # the compiled graphs were traced without them; keep it that way
                         h.remove()
                     for _ in range(args.repeats):  # both without hooks: they cost ~2 us each, 422 per forward
-                        for part, r in (("eager", runner), ("compiled", compiled), ("ungrouped", ungrouped)):
-                            if r is None:
-                                continue
+                        for part, r in (("eager", runner), *arms.items()):
                             best.keep((part, t), elapsed(r.forward_tree, tree))
                     hooks = add_hooks()
                 xs = inputs_by_width(linears, (1, t), linears[0].weight.dtype, gen)
@@ -281,15 +288,13 @@ def forward_split(args: argparse.Namespace) -> None:
         h.remove()
     print(f"{args.model} {args.dtype}, {args.context}-token context, {torch.get_num_threads()} thread(s), "
           f"best of {args.rounds} x {args.repeats}, ms")
-    print("T      forward  linears (in forward)  linears (alone)  rest of forward" + ("  eager (no hooks)  compiled" if compiled else "")
-          + ("  ungrouped" if ungrouped else ""))
+    timed = (["eager"] if arms else []) + list(arms)
+    print("T      forward  linears (in forward)  linears (alone)  rest of forward" + "".join(f"  {p:>9}" for p in timed))
     for t in sizes:
         f, li, la = (best.ms((p, t)) for p in ("forward", "linears_in_forward", "linears_alone"))
-        extra = f"  {best.ms(('eager', t)):16.1f}  {best.ms(('compiled', t)):8.1f}" if compiled else ""
-        extra += f"  {best.ms(('ungrouped', t)):9.1f}" if ungrouped else ""
+        extra = "".join(f"  {best.ms((p, t)):9.1f}" for p in timed)
         print(f"{t:<6} {f:8.1f}  {li:20.1f}  {la:15.1f}  {f - li:15.1f}{extra}")
-    parts = (["forward", "linears_in_forward", "linears_alone"] + (["eager", "compiled"] if compiled else [])
-             + (["ungrouped"] if ungrouped else []))
+    parts = ["forward", "linears_in_forward", "linears_alone"] + timed
     ms = {f"{part}@{t}": round(best.ms((part, t)), 2) for t in sizes for part in parts}
     finish({"model": args.model, "dtype": args.dtype, "context": args.context,
             "threads": torch.get_num_threads(), "ms": ms}, args.json)
@@ -608,9 +613,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="also time a compiled runner's forwards")
-    p.add_argument("--ungrouped", action="store_true",
-                   help="with --compile, also a compiled runner without specdec.compile_passes (each quantized "
-                        "product its own call): the grouping's A/B")
+    p.add_argument("--ablate", action="store_true",
+                   help="with --compile, also one compiled runner per compile option undone (ungrouped products, "
+                        "inductor's asserts): what each is worth")
     p.set_defaults(run=forward_split)
 
     p = subcommand(subs, "model-linears", MODEL_LINEARS)
