@@ -384,8 +384,9 @@ def _build_pearl(dec, o: PearlOptions, sampling: SamplingConfig):
         return WindowLength(o.gamma, True, o.max_gamma, cost, dec.draft_seconds(name))
 
     largest = o.gamma if o.window == "fixed" else o.max_gamma
+    positions = getattr(draft.config.get_text_config(), "max_position_embeddings", None)
     return PearlDecoding(lambda: dec.draft_backend(name, o.backend), make_window, largest, bool(o.pre_verify),
-                         bool(o.post_verify), o.proposal_topk), None
+                         bool(o.post_verify), o.proposal_topk, positions), None
 
 
 def one_thread_cost(dec) -> StepCost:

@@ -365,8 +365,9 @@ class PearlDecoding:
     needs_hidden = False  # the draft reads tokens only
 
     def __init__(self, make_backend, make_window, largest_window: int, pre_verify: bool = True,
-                 post_verify: bool = True, proposal_topk: int = 64):
+                 post_verify: bool = True, proposal_topk: int = 64, draft_positions: int | None = None):
         self.make_backend, self.make_window, self.largest_window = make_backend, make_window, largest_window
+        self.draft_positions = draft_positions  # the draft's max_position_embeddings (None: unbounded)
         self.pre_verify, self.post_verify, self.proposal_topk = pre_verify, post_verify, proposal_topk
         self.window: WindowLength | None = None
 
@@ -377,6 +378,13 @@ class PearlDecoding:
 
     def generate(self, target: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
                  sampling: SamplingConfig, eos_token_ids: set[int] | None) -> DecodeResult:
+        # The draft runs ahead of the target for the whole generation (its window beyond the last token), so
+        # unlike the drafters of the other methods it cannot stop at its context's end: refused up front.
+        need = max((len(p) for p in prompts), default=0) + max_new_tokens + self.largest_window
+        if self.draft_positions is not None and prompts and need > self.draft_positions:
+            raise ValueError(f"context too long for pearl's draft: prompt, max_new_tokens and the draft window need "
+                             f"{need} positions, the draft has {self.draft_positions} (sd, gsd and ouroboros stop "
+                             f"drafting there and go on as ar)")
         draft, core = self.make_backend()
         with one_thread(avoid=core):
             if self.window is None:

@@ -66,14 +66,25 @@ def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return processed_logits(logits, cfg).softmax(-1)
 
 
-def check_logits(logits: torch.Tensor) -> None:
-    """Raise on NaN logits: a broken model or dtype overflow must not turn into a wrong answer.
+def check_logits(logits: torch.Tensor, who: str = "the model") -> None:
+    """Raise where a row of ``logits [..., V]`` names no token: a NaN anywhere, a ``+inf`` (no distribution, and
+    no single argmax, follows from it) or a row that is all ``-inf``. A broken model or a dtype overflow must not
+    turn into a wrong answer; single ``-inf`` entries (masked tokens) are fine. ``who`` names the model in the
+    error (a draft's logits are checked too: sampling verification divides by the draft's probabilities).
 
-    The maximum carries any NaN (max reductions propagate NaN), so one reduction pass answers;
-    ``isnan(logits).any()`` would also write a mask as large as the logits (4-7x slower on a CPU at
-    SmolLM2's 49k vocabulary), and in bf16 the full ``max()`` is about 3x faster than ``amax(-1)``."""
-    if bool(torch.isnan(logits.max())):
-        raise FloatingPointError("the model produced NaN logits (try --dtype fp32)")
+    One reduction answers all three: each row's maximum is finite exactly when the row is usable, because the
+    maximum carries any NaN (max reductions propagate NaN) and is ``+inf`` or ``-inf`` in the other two cases.
+    ``isnan(logits).any()`` would write a mask as large as the logits (4-7x slower on a CPU at SmolLM2's 49k
+    vocabulary)."""
+    top = logits.amax(-1)
+    if bool(torch.isfinite(top).all()):
+        return
+    hint = " (try --dtype fp32)" if logits.dtype != torch.float32 else ""
+    if bool(torch.isnan(top).any()):
+        raise FloatingPointError(f"{who} produced NaN logits{hint}")
+    if bool((top == float("inf")).any()):
+        raise FloatingPointError(f"{who} produced +inf logits{hint}")
+    raise FloatingPointError(f"{who} produced a row of logits that are all -inf: no token can follow")
 
 
 @dataclass(frozen=True)

@@ -91,14 +91,14 @@ def test_nan_logits_raise():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_check_logits_finds_any_nan(dtype):
-    """check_logits reads the maximum: a NaN anywhere, next to +-inf or not, must still be found."""
+    """check_logits reads each row's maximum: a NaN anywhere, next to -inf or not, must still be found."""
     from specdec.verify import check_logits
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 97, generator=gen).to(dtype)
-    logits[0, 1, 3], logits[1, 4, 0], logits[1, 2, 96] = float("inf"), float("-inf"), float("inf")
-    logits[0, 3, :] = float("-inf")
-    check_logits(logits)  # infinities alone are no error
+    logits[0, 1, 3], logits[1, 4, 0], logits[1, 2, 96] = float("-inf"), float("-inf"), float("-inf")
+    logits[0, 3, :-1] = float("-inf")
+    check_logits(logits)  # masked tokens are no error while a row keeps one finite logit
     check_logits(logits[:, 0])
     for b, t, v in [(0, 0, 0), (1, 4, 96), (0, 1, 50), (0, 3, 7), (1, 2, 95)]:
         broken = logits.clone()
@@ -109,13 +109,84 @@ def test_check_logits_finds_any_nan(dtype):
             check_logits(broken[:, t])
     # A real vocabulary's width, where the reduction runs vectorised and in parallel chunks.
     wide = torch.randn(1, 6, 49152, generator=gen).to(dtype)
-    wide[0, 2, 100] = float("inf")
+    wide[0, 2, 100] = float("-inf")
     check_logits(wide)
     for t, v in [(0, 0), (5, 49151), (2, 101), (3, 24577), (4, 49147)]:
         broken = wide.clone()
         broken[0, t, v] = float("nan")
         with pytest.raises(FloatingPointError, match="NaN"):
             check_logits(broken)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_check_logits_refuses_rows_without_a_token(dtype):
+    """+inf (no distribution, no single argmax) and a row that is all -inf (nothing can follow) raise."""
+    from specdec.verify import check_logits
+
+    logits = torch.randn(2, 4, 50).to(dtype)
+    plus = logits.clone()
+    plus[1, 2, 7] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"\+inf"):
+        check_logits(plus)
+    dead = logits.clone()
+    dead[0, 3, :] = float("-inf")
+    with pytest.raises(FloatingPointError, match="all -inf"):
+        check_logits(dead)
+    with pytest.raises(FloatingPointError, match="the draft X produced"):
+        check_logits(dead[:, 3], "the draft X")
+
+
+def broken_draft(target):
+    """A copy of ``target`` whose logit of token 3 is NaN at every position."""
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        draft.get_output_embeddings().weight[3, 0] = float("nan")
+    return draft
+
+
+@pytest.mark.parametrize("method,opts", [("sd", {"draft_length": 3}), ("gsd", {}), ("ouroboros", {})])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_nan_draft_logits_raise(method, opts, greedy):
+    """A draft's NaN logits are an error naming the draft: a sampled draft's probabilities divide the target's,
+    and even a greedy draft's argmax over NaN means nothing."""
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=broken_draft(target))
+    sampling = SamplingConfig() if greedy else SamplingConfig(temperature=1.0, seed=0)
+    with pytest.raises(FloatingPointError, match="the draft .* NaN"):
+        dec.generate_ids([[5, 6, 7]], method, 8, sampling, **opts)
+
+
+def short_draft(positions: int = 32):
+    """A GPT-2 draft (learned position embeddings) of the tiny models' vocabulary with only ``positions``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=positions, vocab_size=96, bos_token_id=0,
+                     eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(3)
+    return GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("method,opts", [("sd", {"draft_length": 3}), ("gsd", {}), ("ouroboros", {})])
+def test_draft_shorter_context_than_target_stops_drafting(method, opts):
+    """Past the draft's own max_position_embeddings the draft drafts nothing and decoding goes on as ar, with the
+    target's own tokens (a GPT-2 draft fed a position past its table would raise an IndexError)."""
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=short_draft(32))
+    prompt = list(range(2, 12))  # 10 tokens: the draft has room for a few steps, then none
+    ref = dec.generate_ids([prompt], "ar", 40).tokens[0]
+    out = dec.generate_ids([prompt], method, 40, **opts)
+    assert out.tokens[0] == ref
+    assert out.stats.drafted_tokens > 0  # it drafted while it had room
+
+
+def test_pearl_refuses_a_context_past_its_draft():
+    """PEARL's draft runs ahead for the whole generation: a context past the draft's positions is refused."""
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=short_draft(32))
+    with pytest.raises(ValueError, match="context too long for pearl's draft"):
+        dec.generate_ids([list(range(2, 12))], "pearl", 40)
+    out = dec.generate_ids([list(range(2, 8))], "pearl", 12)  # within the draft's positions: decodes as usual
+    assert out.tokens[0] == dec.generate_ids([list(range(2, 8))], "ar", 12).tokens[0]
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=1.0, top_p=0.0),

@@ -6,9 +6,9 @@ import contextlib
 import torch
 
 from specdec.drafters.base import Budget, DecodeState, Drafter
-from specdec.model import ModelRunner
+from specdec.model import ModelRunner, model_label
 from specdec.tree import DraftTree, SparseProbs
-from specdec.verify import SamplingConfig, processed_logits
+from specdec.verify import SamplingConfig, check_logits, processed_logits
 
 
 class DraftModelDrafter(Drafter):
@@ -64,8 +64,11 @@ class DraftModelDrafter(Drafter):
         """The drafted token ``[B]`` (target ids) from the draft's logits ``[B, V]`` and, when sampling,
         the proposal it was drawn from (``[B, 1, k]``)."""
         if self.sampling.greedy:
-            tok = logits.argmax(-1)
+            top, tok = logits.max(-1)
+            if not bool(torch.isfinite(top).all()):  # the maximum comes with the argmax: the check is free here
+                self.check(logits)
             return (tok if self.vocab_map is None else self.vocab_map[tok]), None
+        self.check(logits)
         # Over a reduced vocabulary this is the distribution over full logits with -inf outside it
         # (temperature, top-k and top-p never select a -inf logit), then mapped back to target ids.
         q = SparseProbs.top_k(processed_logits(logits, self.sampling)[:, None], self.proposal_topk)
@@ -73,13 +76,25 @@ class DraftModelDrafter(Drafter):
             q = q.map_ids(self.vocab_map)
         return q.sample(self.generator)[:, 0], q
 
+    def check(self, logits: torch.Tensor) -> None:
+        """Raise ``FloatingPointError`` where the draft's ``logits [..., V]`` name no token (NaN, +inf, a row all
+        -inf; :func:`specdec.verify.check_logits`): a sampled draft's probabilities divide the target's."""
+        check_logits(logits, f"the draft {model_label(self.runner.model)}")
+
+    def fits(self, state: DecodeState, depth: int) -> bool:
+        """Whether every row's context and ``depth`` drafted tokens lie within the draft's own
+        ``max_position_embeddings`` (which may be shorter than the target's). Past it the drafters built on this
+        one draft nothing, and decoding goes on one target token a step, exactly as ``ar``: a draft fed positions
+        it has no embedding for would fail, or draft from positions it never learned."""
+        return max(state.seq_lens_host) + depth <= self.runner.max_positions
+
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         with self._mode():
             return self._propose(state, budget)
 
     def _propose(self, state: DecodeState, budget: Budget) -> DraftTree:
         max_len = budget.depth
-        if max_len < 1:
+        if max_len < 1 or not self.fits(state, max_len):
             return DraftTree.chain(state.roots)
         b = state.seq.shape[0]
         dev = state.seq.device

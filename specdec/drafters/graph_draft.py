@@ -172,7 +172,7 @@ class GraphDrafter(Drafter):
         b = state.seq.shape[0]
         dev = state.seq.device
         self._graphs = [None] * b
-        if budget.depth < 1:
+        if budget.depth < 1 or not self.base.fits(state, min(budget.depth, self.max_depth)):
             return DraftTree.chain(state.roots)
         logits, hidden = self.base._catch_up(state)
         logits, hidden = logits[:, None], None if hidden is None else hidden[:, None]
@@ -285,6 +285,7 @@ class GraphDrafter(Drafter):
         """Candidates of every column of ``logits [B,F,V]``: tokens ``[B,F,k]`` (target ids, -1 where a
         column has fewer), their draft probabilities ``[B,F,k]`` and, for ``siblings=sample``, the proposal
         each was drawn from (``[B, F*k, K]``)."""
+        self.base.check(logits)
         b, f, v = logits.shape
         k = min(self.k, v)
         vocab_map = self.base.vocab_map

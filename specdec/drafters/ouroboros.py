@@ -280,7 +280,9 @@ class OuroborosDrafter(Drafter):
         self._tries, self._verdict, self._chains = [None] * b, None, [[] for _ in range(b)]
         roots = state.roots.tolist()
         limits = [min(d, self.gamma) for d in budget.max_depth]
-        if max(limits) < 1:
+        # A forward's tree reaches past the chain by a pool phrase or the lookahead window.
+        reach = budget.depth + max(self.pool.phrase_len, self.window + self.level)
+        if max(limits) < 1 or not self.base.fits(state, reach):
             return DraftTree.chain(state.roots)
         chains: list[list[int]] = [[] for _ in range(b)]
         probs: list[list] = [[] for _ in range(b)]

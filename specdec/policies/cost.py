@@ -139,6 +139,7 @@ class StepCost:
 
         vocab = runner.model.get_output_embeddings().weight.shape[0]
         g = torch.Generator().manual_seed(0)
+        context = max(1, min(context, runner.max_positions - max(sizes)))  # a model with fewer positions (a draft)
         if rows > 1 and extra_inputs is not None:
             raise ValueError("extra_inputs are calibrated at one row")
         ids = torch.randint(0, vocab, (1, context + max(sizes)), generator=g).to(runner.device).expand(rows, -1)
