@@ -1,8 +1,11 @@
 """Shared fixtures: tiny random-initialised causal LMs of several architectures."""
 from __future__ import annotations
 
-# Triton kernels run in its CPU interpreter in tests; this must precede any triton import.
-__import__("os").environ.setdefault("TRITON_INTERPRET", "1")
+# Triton kernels run in its CPU interpreter where there is no GPU, and on the GPU where there is one (so that
+# `pytest tests/` runs tests/test_gpu.py there); this must precede any triton import. TRITON_INTERPRET set by
+# the user wins.
+TRITON_INTERPRET_CHOSEN = "TRITON_INTERPRET" in __import__("os").environ
+__import__("os").environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
 
 import functools
 import os

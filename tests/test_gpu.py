@@ -1,7 +1,8 @@
 """On a CUDA device: every operator's ``auto`` backend (CUDA or Triton) against the torch reference,
 and greedy decoding of every method against transformers' ``generate`` on the GPU.
 
-Skipped without a GPU (CI has none); run on a GPU machine with ``TRITON_INTERPRET=0 pytest tests/test_gpu.py``.
+Skipped without a GPU (CI has none); on a GPU machine ``pytest tests/`` runs them (tests/conftest.py then leaves
+Triton's interpreter off), unless ``TRITON_INTERPRET=1`` is set by hand.
 """
 from __future__ import annotations
 

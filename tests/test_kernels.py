@@ -657,3 +657,14 @@ def test_sample_from_probs_random(probs, u, dtype):
     cdf = [sum(probs[: i + 1]) for i in range(len(probs))]
     if all(abs(c - u * total) > 1e-4 * total for c in cdf):
         assert idx == naive_sample(probs, u)
+
+
+def test_triton_runs_on_the_gpu_where_there_is_one():
+    """tests/conftest.py picks Triton's interpreter only without a GPU: on a GPU machine a plain ``pytest tests/``
+    runs the GPU tests (tests/test_gpu.py skips under the interpreter)."""
+    import os
+
+    from tests import conftest
+
+    if not conftest.TRITON_INTERPRET_CHOSEN:
+        assert os.environ["TRITON_INTERPRET"] == ("0" if torch.cuda.is_available() else "1")
