@@ -384,16 +384,39 @@ def generate(prompt: str, model: str = DEFAULT_MODEL, method: str = "pld", draft
 
 
 @torch.inference_mode()
+def _hf_sampling(sampling: SamplingConfig) -> dict:
+    if sampling.greedy:
+        return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+    return dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p or 1.0)
+
+
 def hf_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
                 **kwargs) -> list[int]:
     """transformers' own ``generate`` on one prompt (the reference), returning the new token ids."""
     ids = torch.tensor([prompt], device=model.device)
-    if sampling.greedy:
-        gen = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    else:
-        gen = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p or 1.0)
-        if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
+    gen = _hf_sampling(sampling)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          pad_token_id=model.generation_config.pad_token_id or 0, **gen, **kwargs)
     return out[0, len(prompt):].tolist()
+
+
+def hf_generate_batch(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int,
+                      sampling: SamplingConfig) -> list[list[int]]:
+    """transformers' own ``generate`` on a ragged batch of prompts, left-padded under an attention mask as a
+    transformers user batches them: the new token ids per prompt, each cut after its first EOS (transformers pads
+    the rows that finished early)."""
+    pad = model.generation_config.pad_token_id or 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                         **_hf_sampling(sampling))
+    eos = model.generation_config.eos_token_id
+    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    rows = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:end])
+    return rows

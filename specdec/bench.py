@@ -16,7 +16,7 @@ import transformers
 from tqdm import tqdm
 
 from specdec import methods
-from specdec.api import SpecDecoder, hf_generate
+from specdec.api import SpecDecoder, hf_generate, hf_generate_batch
 from specdec.bench_summary import cpu_name, format_table, summarize
 from specdec.draft_models import is_feature_draft
 from specdec.gguf_weights import dense_weights
@@ -52,21 +52,27 @@ class _CallCounter:
         return n
 
 
-def _run_one(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
+def _run_batch(dec: SpecDecoder, label: str, prompts: list[list[int]], max_new: int, sampling: SamplingConfig,
+               options: dict):
+    """One method over a ragged batch of prompts in one call: the new tokens per prompt and the call's stats (None
+    for transformers' methods)."""
     method, own = parse_label(label)
     if method in HF_METHODS:  # transformers' model as a transformers user has it: dense weights
         with dense_weights(dec.model):
-            return _run_hf(dec, method, own, prompt, max_new, sampling)
-    res = dec.generate_ids([prompt], method, max_new, sampling, **{**options.get(method, {}), **own})
-    return res.tokens[0], res.stats
+            if method == "hf" and len(prompts) > 1:
+                return hf_generate_batch(dec.model, prompts, max_new, sampling), None
+            # transformers' prompt lookup and assisted generation take one prompt at a time
+            return [_run_hf(dec, method, own, p, max_new, sampling) for p in prompts], None
+    res = dec.generate_ids(prompts, method, max_new, sampling, **{**options.get(method, {}), **own})
+    return res.tokens, res.stats
 
 
 def _run_hf(dec: SpecDecoder, method: str, own: dict, prompt: list[int], max_new: int, sampling: SamplingConfig):
     if method == "hf":
-        return hf_generate(dec.model, prompt, max_new, sampling), None
+        return hf_generate(dec.model, prompt, max_new, sampling)
     if method == "hf-pld":
-        return hf_generate(dec.model, prompt, max_new, sampling, prompt_lookup_num_tokens=10), None
-    return hf_generate(dec.model, prompt, max_new, sampling, assistant_model=dec.get_draft(own.get("draft"))[0]), None
+        return hf_generate(dec.model, prompt, max_new, sampling, prompt_lookup_num_tokens=10)
+    return hf_generate(dec.model, prompt, max_new, sampling, assistant_model=dec.get_draft(own.get("draft"))[0])
 
 
 def stream_bandwidth(seconds: float = 0.5, mib: int = 512) -> float:
@@ -83,23 +89,31 @@ def stream_bandwidth(seconds: float = 0.5, mib: int = 512) -> float:
     return a.numel() * 4 / best
 
 
-def _prepare(dec: SpecDecoder, label: str, prompt: list[int], max_new: int, sampling: SamplingConfig, options: dict):
-    """A method's per-prompt preparation (``Method.prepare``), outside the timed region."""
+def _prepare(dec: SpecDecoder, label: str, prompts: list[list[int]], max_new: int, sampling: SamplingConfig,
+             options: dict):
+    """A method's per-call preparation (``Method.prepare``), outside the timed region."""
     method, own = parse_label(label)
     if method in HF_METHODS:
         return
     spec = methods.get(method)
     if spec.prepare is not None:
-        spec.prepare(dec, spec.parse({**options.get(method, {}), **own}), [prompt], max_new, sampling)
+        spec.prepare(dec, spec.parse({**options.get(method, {}), **own}), prompts, max_new, sampling)
 
 
 def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), options: dict | None = None,
-              config: dict | None = None, progress: bool = True) -> dict:
+              config: dict | None = None, progress: bool = True, batch_size: int = 1) -> dict:
     """Run the methods ``labels`` (``name`` or ``name:key=value:...``; plus ``hf``) over ``prompts``; return
     the bench JSON (config, runs, and the summary keyed by each label as written). ``options``: per
-    method name, options that apply to all its labels (the CLI's flags); a label's own options win."""
+    method name, options that apply to all its labels (the CLI's flags); a label's own options win.
+
+    ``batch_size``: the prompts are decoded ``batch_size`` at a time, in order, each group as one ragged batch (one
+    ``generate_ids`` call; ``hf`` as one left-padded ``generate`` call; ``hf-pld`` and ``hf-assisted`` prompt by
+    prompt, as transformers runs them). A run then covers a group: its ``prompt_ids``, ``batch_size``, the tokens
+    of all its rows and the call's seconds, so the summary's tokens per second is the throughput over all rows."""
     options = options or {}
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     for label in labels:  # every label is checked before anything runs
         m, own = parse_label(label)
         if m in HF_METHODS:
@@ -131,25 +145,30 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
     target_calls = _CallCounter(dec.model, runners=[dec.runner])
     draft_calls = _CallCounter(*[m for m, _ in dec.drafts.values()], runners=[r for _, r in dec.drafts.values()])
 
+    groups = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     # Warm up every method once (first calls pay for lazy initialisation and allocator growth).
     for m in labels:
-        _run_one(dec, m, prompts[0].ids, min(8, max_new_tokens), sampling, options)
+        _run_batch(dec, m, [p.ids for p in groups[0]], min(8, max_new_tokens), sampling, options)
     target_calls.take(), draft_calls.take()
 
     runs, reference = [], {}
-    bar = tqdm(total=len(prompts) * len(labels), desc="bench", disable=not progress)
-    for i, p in enumerate(prompts):
+    bar = tqdm(total=len(groups) * len(labels), desc="bench", disable=not progress)
+    for i, group in enumerate(groups):
+        ids = [p.ids for p in group]
         order = labels[i % len(labels):] + labels[: i % len(labels)]
-        # hf runs first on its prompt only if it rotates there; identity is checked after the loop.
+        # hf runs first on its prompts only if it rotates there; identity is checked after the loop.
         for m in order:
-            _prepare(dec, m, p.ids, max_new_tokens, sampling, options)  # untimed (the oracle's reference run)
+            _prepare(dec, m, ids, max_new_tokens, sampling, options)  # untimed (the oracle's reference run)
             target_calls.take(), draft_calls.take()  # its forwards are not the method's
             compiled_before = dec.runner.compiled_calls
             t0 = time.perf_counter()
-            tokens, stats = _run_one(dec, m, p.ids, max_new_tokens, sampling, options)
+            tokens, stats = _run_batch(dec, m, ids, max_new_tokens, sampling, options)
             seconds = time.perf_counter() - t0
+            categories = {p.category for p in group}
             run = {
-                "method": m, "prompt_id": p.id, "category": p.category, "new_tokens": len(tokens),
+                "method": m, "prompt_id": "+".join(p.id for p in group),
+                "category": categories.pop() if len(categories) == 1 else "mixed",
+                "new_tokens": sum(len(t) for t in tokens),
                 "seconds": seconds, "prefill_seconds": stats.prefill_s if stats else None,
                 "weight_bytes": dense_bytes if parse_label(m)[0] in HF_METHODS else held_bytes,
                 "target_calls": target_calls.take(), "draft_calls": draft_calls.take() + (stats.remote_draft_calls if stats else 0),
@@ -161,17 +180,22 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
                 "memory_estimate": stats.memory_estimate if stats else None,
                 "identical_to_reference": None, "_tokens": tokens,
             }
+            if batch_size > 1:
+                run.update(prompt_ids=[p.id for p in group], batch_size=len(group))
             if m == "hf":
-                reference[p.id] = tokens
+                reference[run["prompt_id"]] = tokens
             runs.append(run)
-            bar.set_postfix(method=m, prompt=p.id)
+            bar.set_postfix(method=m, prompt=run["prompt_id"][:40])
             bar.update()
     bar.close()
     for run in runs:
         tokens = run.pop("_tokens")
         if sampling.greedy:
-            run["identical_to_reference"] = tokens == reference[run["prompt_id"]]
-    return {"config": config or {}, "runs": runs, "summary": summarize(runs)}
+            same = [a == b for a, b in zip(tokens, reference[run["prompt_id"]])]
+            run["identical_to_reference"] = all(same)
+            if batch_size > 1:
+                run["identical_rows"] = sum(same)
+    return {"config": {**(config or {}), "batch_size": batch_size}, "runs": runs, "summary": summarize(runs)}
 
 
 def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int, sampling: SamplingConfig,

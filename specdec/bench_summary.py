@@ -54,7 +54,10 @@ def summarize(runs: list[dict], reference: str = "hf") -> dict:
         calls = sum(r["target_calls"] for r in rs)
         drafted = [r["drafted_tokens"] for r in rs if r["drafted_tokens"] is not None]
         accepted = [r["accepted_tokens"] for r in rs if r["accepted_tokens"] is not None]
-        ident = [r["identical_to_reference"] for r in rs if r["identical_to_reference"] is not None]
+        # a batched run (specdec bench --batch-size) counts its rows
+        ident = [(r.get("identical_rows", r["identical_to_reference"]), r.get("batch_size", 1)) for r in rs
+                 if r["identical_to_reference"] is not None]
+        row_tokens = sum(r["new_tokens"] / r.get("batch_size", 1) for r in rs)
         drafter: dict = {}
         for r in rs:  # sum drafter counters (e.g. ngrammys' allocation per source) over prompts
             drafter = add_counters(drafter, r.get("drafter") or {})
@@ -64,10 +67,12 @@ def summarize(runs: list[dict], reference: str = "hf") -> dict:
         read = sum(r.get("weight_bytes", 0) * max(r["target_calls"] - 1, 0) for r in rs)
         summary[m] = {
             "tokens_per_second": tokens / seconds if seconds else 0.0,
+            # time per output token as a row sees it (a batch's rows share its seconds)
+            "ms_per_token": 1e3 * seconds / row_tokens if row_tokens else None,
             "weight_bytes_per_s": read / decode_s if decode_s and read else None,
             "tokens_per_call": tokens / calls if calls else None,
             "accept_rate": sum(accepted) / sum(drafted) if drafted and sum(drafted) else None,
-            "identical_rate": sum(ident) / len(ident) if ident else None,
+            "identical_rate": sum(i for i, _ in ident) / sum(n for _, n in ident) if ident else None,
             "path": _path(rs),
         }
         if drafter:
@@ -81,15 +86,20 @@ def summarize(runs: list[dict], reference: str = "hf") -> dict:
 def format_table(result: dict) -> str:
     """The summary as a fixed-width text table."""
     w = max([12] + [len(m) + 1 for m in result["summary"]])
-    head = f"{'method':<{w}}{'tok/s':>9}{'speedup':>9}{'tok/call':>10}{'accept':>8}{'identical':>11}{'GB/s':>7}"
+    head = (f"{'method':<{w}}{'tok/s':>9}{'ms/tok':>8}{'speedup':>9}{'tok/call':>10}{'accept':>8}{'identical':>11}"
+            f"{'GB/s':>7}")
     lines = [head, "-" * len(head)]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for m, s in result["summary"].items():
         gbs = s.get("weight_bytes_per_s")
-        lines.append(f"{m:<{w}}{s['tokens_per_second']:>9.1f}{fmt(s['speedup'], '.2f') + 'x':>9}"
+        lines.append(f"{m:<{w}}{s['tokens_per_second']:>9.1f}{fmt(s.get('ms_per_token'), '.1f'):>8}"
+                     f"{fmt(s['speedup'], '.2f') + 'x':>9}"
                      f"{fmt(s['tokens_per_call'], '.2f'):>10}{fmt(s['accept_rate'], '.2f'):>8}"
                      f"{fmt(s['identical_rate'], '.0%'):>11}{fmt(gbs and gbs / 1e9, '.1f'):>7}")
     cfg = result.get("config", {})
+    if cfg.get("batch_size", 1) > 1:
+        lines.append(f"batches of {cfg['batch_size']} prompts: tok/s over all rows; ms/tok per row; tok/call per "
+                     f"target forward of a batch")
     if cfg.get("stream_bytes_per_s"):
         lines.append(f"GB/s: target weights read per second of decoding ({cfg['weight_bytes'] / 1e6:.1f} MB a forward "
                      f"as held, weights={cfg.get('weights', '?')}; hf: {cfg['dense_weight_bytes'] / 1e6:.1f} MB dense, "

@@ -34,6 +34,33 @@ def test_run_bench_all_methods_identical_and_counted():
     assert "| cat |" in table and "| overall |" in table and "| pld |" in table and "prefill share" in table
 
 
+def test_run_bench_batched_rows_match_one_at_a_time():
+    """--batch-size: each group of prompts is one ragged call per method; every row's tokens are those of the
+    prompt decoded alone (fp32), transformers' padded batch included, and the summary reads throughput over rows."""
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6))
+    prompts = [Prompt(f"p{n}", "cat" if n < 9 else "dog", prompt_of(n, seed=n)) for n in (3, 5, 8, 14, 21)]
+    methods = ["hf-pld", "ar", "pld", "sd", "ngrammys"]
+    one = run_bench(dec, methods, prompts, 12, progress=False)
+    res = run_bench(dec, methods, prompts, 12, progress=False, batch_size=3)
+    assert res["config"]["batch_size"] == 3
+    s = res["summary"]
+    assert list(s) == ["hf", *methods] and all(s[m]["identical_rate"] == 1.0 for m in s)
+    groups = {r["prompt_id"]: r for r in res["runs"] if r["method"] == "ar"}
+    assert list(groups) == ["p3+p5+p8", "p14+p21"]
+    assert groups["p3+p5+p8"]["batch_size"] == 3 and groups["p3+p5+p8"]["category"] == "cat"
+    assert groups["p14+p21"]["prompt_ids"] == ["p14", "p21"] and groups["p14+p21"]["category"] == "dog"
+    for m in ["hf", *methods]:  # the same tokens, now counted per group
+        assert sum(r["new_tokens"] for r in res["runs"] if r["method"] == m) == \
+            sum(r["new_tokens"] for r in one["runs"] if r["method"] == m), m
+        assert s[m]["ms_per_token"] > 0
+    # a step of a batch serves all its rows: fewer target forwards than one prompt at a time
+    assert s["ar"]["tokens_per_call"] > 2 * one["summary"]["ar"]["tokens_per_call"]
+    assert "batches of 3 prompts" in format_table(res)
+    with pytest.raises(ValueError, match="batch_size"):
+        run_bench(dec, ["ar"], prompts, 4, progress=False, batch_size=0)
+
+
 def test_run_bench_rejects_unknown_or_draftless_methods():
     dec = SpecDecoder(tiny_model("llama"))
     prompts = [Prompt("p", "cat", prompt_of(4))]
