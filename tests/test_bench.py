@@ -148,3 +148,30 @@ def test_chain_choice_longest_match_and_table_walk():
     assert table[b] > table[a]
     assert walk_table(rows, table) == (1, 3)  # one call, two accepted + one
     assert walk_table(rows, {a: 1.0, b: 0.0}) == (2, 3)  # "a": none accepted, then one (past the last position)
+
+
+def test_soak_watches_memory_speed_and_workers():
+    """bench/soak.py on a tiny model: the quarters come from the runner's committed lengths, sampled in a thread,
+    and PEARL's worker process is gone after its run."""
+    import time
+
+    from bench.soak import quarters, soak, workers
+
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6))
+    dec.eos = set()
+    prompts = [prompt_of(n, seed=n) for n in (4, 9)]
+    for method in ("ar", "pearl"):
+        run = soak(dec, method, prompts, 96, seed=0, every=0.0005)
+        assert run["new_tokens"] == 2 * 96 and run["workers"] == (method == "pearl"), run  # kept for reuse
+        assert run["tokens_per_s_first_quarter"] > 0 and run["tokens_per_s_last_quarter"] > 0
+        assert run["rss_end_mb"] > 0 and set(run) >= {"speed_ratio", "rss_growth", "ok"}
+    dec.close()
+    time.sleep(1.0)
+    assert workers() == []
+    # by hand: 100 new tokens at 10 per second, then 5 per second in the last quarter; memory up 10%
+    samples = [(t, 1000, 9 + 10 * t) for t in range(8)] + [(8 + t, 1000 if t < 4 else 1100, 84 + 5 * t)
+                                                          for t in range(6)]
+    q = quarters(samples, 9)
+    assert q["tokens_per_s_first_quarter"] == 10 and q["tokens_per_s_last_quarter"] == 5
+    assert q["speed_ratio"] == 0.5 and q["rss_growth"] == 0.1
