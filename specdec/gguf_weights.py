@@ -22,13 +22,30 @@ from torch import nn
 from specdec.gguf_blocks import AffineCodes, decode_blocks
 from specdec.kernels import has_native
 from specdec.kernels.quant import QuantWeight, pack_quant_weight, quant_linear
-from specdec.linear import SkinnyLinear
+from specdec.linear import SkinnyLinear, cpu_has_matrix_tiles
 
 WEIGHTS = ("auto", "gguf", "dense")
 
 # Rows up to which a CPU product runs the quantized kernel (level with the packed bf16 kernel from 8 to 64 rows on
 # a 2-core Xeon); a larger one (a prompt) runs on the dense weights (see QuantLinear).
 QUANT_MAX_ROWS = 64
+
+# The same limit for bf16 on a CPU with AMX tiles, where the dense path hands products past a few rows to torch's
+# GEMM (oneDNN's tile instructions; --linear auto): all 211 weights of SmolLM2-135M over M rows, 2 threads, ms,
+# blocks / torch's dense bf16 GEMM: 22.0 / 38.4 at 8 rows, 32.5 / 37.0 at 12, 41.2 / 36.3 at 16, 80.1 / 45.5 at
+# 32, 167.4 / 56.7 at 64 (bench/results/quant_vs_torch_amx_2t.json). A batch's verification (16 rows of 2 tokens
+# is 32) is where that pays.
+AMX_QUANT_MAX_ROWS = 12
+
+
+def default_quant_max_rows(linear: nn.Module, dtype: torch.dtype) -> int:
+    """Rows up to which ``linear``'s products run the quantized kernel: :data:`AMX_QUANT_MAX_ROWS` where its dense
+    path is torch's AMX GEMM from fewer rows on (bf16 on an AMX CPU with ``--linear auto``; a kernel chosen for
+    batch invariance, ``--linear packed``, keeps its own rows and so does this), else :data:`QUANT_MAX_ROWS`."""
+    dense_rows = linear.max_rows if isinstance(linear, SkinnyLinear) else 0
+    if cpu_has_matrix_tiles(dtype) and dense_rows <= AMX_QUANT_MAX_ROWS:
+        return AMX_QUANT_MAX_ROWS
+    return QUANT_MAX_ROWS
 
 
 class QuantLinear(SkinnyLinear):
@@ -165,10 +182,13 @@ def gguf_codes(model: nn.Module, gguf_path: str | Path) -> dict[str, AffineCodes
     return out
 
 
-def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int = QUANT_MAX_ROWS,
+def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int | None = None,
                        check: bool = True) -> int:
     """Swap the linear layers of ``model`` (loaded from ``gguf_path``) for :class:`QuantLinear` over the file's
     blocks, in place; returns the number swapped.
+
+    max_rows: products of up to this many rows run the quantized kernel (default :func:`default_quant_max_rows`
+    per layer), larger ones the dense weights.
 
     check: require every decoded weight to equal the module's dense weight (rounded to its dtype), so the
     quantized forward computes the very model transformers loaded.
@@ -187,5 +207,7 @@ def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int = 
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         qweight = pack_quant_weight(codes, device)
-        setattr(parent, child, QuantLinear.from_quant(getattr(parent, child), qweight, max_rows))
+        linear = getattr(parent, child)
+        rows = default_quant_max_rows(linear, linear.weight.dtype) if max_rows is None else max_rows
+        setattr(parent, child, QuantLinear.from_quant(linear, qweight, rows))
     return len(found)
