@@ -478,6 +478,26 @@ def test_generate_planted_bug_is_detected(e2e_decoder, monkeypatch):
     assert pvals["joint"] < POWER, pvals
 
 
+@pytest.mark.parametrize("method,bug", [
+    # pld's drafts are deterministic: a verifier that, on a rejection, keeps sampling from p (as if a rejected
+    # deterministic draft told it nothing) over-emits the rejected token.
+    ("pld", "resample_from_p"),
+    # ngrammys verifies sibling drafts (k = 3 candidates a step): checking each sibling against the node's p
+    # instead of the residual left by the siblings rejected before it over-emits the later siblings.
+    ("ngrammys", "forget_earlier_rejections"),
+    # sd with DISCO's stop rule drafts sampled tokens of varying count: a verifier treating them as deterministic
+    # (ignoring q in the residual) fails there as it does for plain sd.
+    ("sd:schedule=disco:disco_mode=cost", "onehot_residual"),
+])
+def test_retrieval_and_disco_planted_bugs_are_detected(e2e_decoder, monkeypatch, method, bug):
+    """End to end power for the methods whose drafts are deterministic (pld, ngrammys) and for sd's DISCO
+    schedule: a plausible verification bug on each one's path fails the same test its correct run passes."""
+    monkeypatch.setattr(kernels, "tree_verify_sampling", planted(bug))
+    pvals, drafted, accepted, _ = e2e_pvalues(e2e_decoder, method, "temp0.8", False, rows=3000)
+    assert drafted > 1500 and accepted > 0, (drafted, accepted)  # the bug's path ran
+    assert min(pvals.values()) < POWER, pvals
+
+
 def test_pearl_planted_bug_is_detected(e2e_decoder, monkeypatch):
     """PEARL's pending drafts are verified a round after they were drawn: carrying the proposal of the wrong
     window position with them (an off-by-one) fails the test."""
