@@ -102,6 +102,7 @@ def soak(dec, method: str, prompts: list[list[int]], max_new: int, seed: int, ev
     sampling = SamplingConfig(temperature=1.0, seed=seed)
     dec.generate_ids(prompts[:1], name, 8, sampling, **own)  # warm-up: first-call initialisation, not the soak's
     start = max(len(p) for p in prompts)
+    dec.runner.release()  # no lengths left from the warm-up: progress starts at 0
     with Monitor(dec.runner, every) as mon:
         res = dec.generate_ids(prompts, name, max_new, sampling, **own)
     time.sleep(1.0)

@@ -383,7 +383,6 @@ def generate(prompt: str, model: str = DEFAULT_MODEL, method: str = "pld", draft
     return _LOADED[key].generate(prompt, method=method, **kwargs)
 
 
-@torch.inference_mode()
 def _hf_sampling(sampling: SamplingConfig) -> dict:
     if sampling.greedy:
         return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -392,6 +391,7 @@ def _hf_sampling(sampling: SamplingConfig) -> dict:
     return dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p or 1.0)
 
 
+@torch.inference_mode()
 def hf_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
                 **kwargs) -> list[int]:
     """transformers' own ``generate`` on one prompt (the reference), returning the new token ids."""
@@ -402,6 +402,7 @@ def hf_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens: int, 
     return out[0, len(prompt):].tolist()
 
 
+@torch.inference_mode()
 def hf_generate_batch(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int,
                       sampling: SamplingConfig) -> list[list[int]]:
     """transformers' own ``generate`` on a ragged batch of prompts, left-padded under an attention mask as a

@@ -145,6 +145,9 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
     target_calls = _CallCounter(dec.model, runners=[dec.runner])
     draft_calls = _CallCounter(*[m for m, _ in dec.drafts.values()], runners=[r for _, r in dec.drafts.values()])
 
+    if batch_size > 1:  # groups of one category where the prompts allow it (per-category reports stay per category)
+        order = list(dict.fromkeys(p.category for p in prompts))
+        prompts = sorted(prompts, key=lambda p: order.index(p.category))
     groups = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     # Warm up every method once (first calls pay for lazy initialisation and allocator growth).
     for m in labels:
@@ -181,7 +184,10 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
                 "identical_to_reference": None, "_tokens": tokens,
             }
             if batch_size > 1:
-                run.update(prompt_ids=[p.id for p in group], batch_size=len(group))
+                # transformers' prompt lookup and assisted generation ran the group's prompts one after another
+                one_by_one = parse_label(m)[0] in ("hf-pld", "hf-assisted")
+                run.update(prompt_ids=[p.id for p in group], batch_size=len(group),
+                           rows_at_once=1 if one_by_one else len(group))
             if m == "hf":
                 reference[run["prompt_id"]] = tokens
             runs.append(run)
@@ -191,6 +197,8 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
     for run in runs:
         tokens = run.pop("_tokens")
         if sampling.greedy:
+            if len(tokens) != len(reference[run["prompt_id"]]):
+                raise RuntimeError(f"{run['method']} returned {len(tokens)} rows for {run['prompt_id']}")
             same = [a == b for a, b in zip(tokens, reference[run["prompt_id"]])]
             run["identical_to_reference"] = all(same)
             if batch_size > 1:

@@ -57,7 +57,7 @@ def summarize(runs: list[dict], reference: str = "hf") -> dict:
         # a batched run (specdec bench --batch-size) counts its rows
         ident = [(r.get("identical_rows", r["identical_to_reference"]), r.get("batch_size", 1)) for r in rs
                  if r["identical_to_reference"] is not None]
-        row_tokens = sum(r["new_tokens"] / r.get("batch_size", 1) for r in rs)
+        row_tokens = sum(r["new_tokens"] / r.get("rows_at_once", r.get("batch_size", 1)) for r in rs)
         drafter: dict = {}
         for r in rs:  # sum drafter counters (e.g. ngrammys' allocation per source) over prompts
             drafter = add_counters(drafter, r.get("drafter") or {})

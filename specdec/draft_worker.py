@@ -224,6 +224,8 @@ def _worker_main(conn, model, core: int | None, parent: int) -> None:
                 conn.send(("ok", seqno))
             else:
                 raise ValueError(f"unknown command {kind!r}")
+        except FloatingPointError as exc:  # bad logits: the caller's documented error, not a worker failure
+            conn.send(("error", seqno, f"FloatingPointError: {exc}"))
         except Exception:
             conn.send(("error", seqno, traceback.format_exc()))
 
@@ -326,6 +328,8 @@ class ProcessDraft(ConcurrentDraft):
                     reply = None
                 if reply is not None:
                     if reply[0] == "error" and reply[1] in (-1, seqno):
+                        if reply[2].startswith("FloatingPointError: "):
+                            raise FloatingPointError(reply[2][len("FloatingPointError: "):])
                         raise DraftWorkerError(f"the draft worker failed:\n{reply[2]}")
                     if reply[0] == expect and (seqno is None or reply[1] == seqno):
                         return reply

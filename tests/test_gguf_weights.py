@@ -100,3 +100,22 @@ def test_embedded_gemma3_greedy_matches_dense_transformers():
         ref = hf_generate(dec.model, prompt, 16, GREEDY)
     for method in ("ar", "pld"):
         assert dec.generate_ids([prompt], method, 16, GREEDY).tokens[0] == ref, method
+
+
+def test_quant_rows_hand_over_to_the_tile_gemm_only_where_it_wins(monkeypatch):
+    """On an AMX CPU bf16 products past AMX_QUANT_MAX_ROWS rows go to the dense path when that path is torch's GEMM
+    (--linear auto or torch); a batch-invariant dense kernel (--linear packed) keeps the quantized kernel's rows, and
+    without tiles (or in fp32) nothing changes."""
+    from specdec import gguf_weights
+    from specdec.linear import SkinnyLinear
+
+    auto = SkinnyLinear.from_linear(torch.nn.Linear(32, 16), 8)
+    packed = SkinnyLinear.from_linear(torch.nn.Linear(32, 16), 64)
+    plain = torch.nn.Linear(32, 16)
+    for tiles in (True, False):
+        monkeypatch.setattr(gguf_weights, "cpu_has_matrix_tiles", lambda dtype: tiles and dtype == torch.bfloat16)
+        rows = {name: gguf_weights.default_quant_max_rows(lin, dt) for name, lin in
+                (("auto", auto), ("packed", packed), ("torch", plain)) for dt in (torch.bfloat16,)}
+        want = gguf_weights.AMX_QUANT_MAX_ROWS if tiles else gguf_weights.QUANT_MAX_ROWS
+        assert rows == {"auto": want, "packed": gguf_weights.QUANT_MAX_ROWS, "torch": want}
+        assert gguf_weights.default_quant_max_rows(auto, torch.float32) == gguf_weights.QUANT_MAX_ROWS

@@ -29,8 +29,9 @@ pytestmark = [
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
        torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
 needs_native = pytest.mark.skipif(not K.has_native("tree_attention"), reason="specdec._C is not built")
-needs_triton = pytest.mark.skipif(not (has_triton() and os.environ.get("TRITON_INTERPRET") == "1"),
-                                  reason="triton (interpreted) is not available")
+# These tests hand Triton CPU tensors: only its interpreter runs them (on a GPU machine TRITON_INTERPRET is 0).
+INTERPRETED = has_triton() and os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not INTERPRETED, reason="triton (interpreted) is not available")
 
 
 # ----------------------------------------------------------------------------------------
@@ -244,8 +245,8 @@ def test_triton_edge_cases(b, hkv, group, d, n, t, s, shape, window):
 def test_padding_queries_are_defined(backend):
     """A query whose mask row is empty sees only the committed prefix; with an empty prefix it sees
     nothing and gets zeros; a query that sees only itself gets its own value. Never NaN."""
-    if backend == "cpp" and not K.has_native("tree_attention") or backend == "triton" and not has_triton():
-        pytest.skip(f"no {backend} kernel")
+    if backend == "cpp" and not K.has_native("tree_attention") or backend == "triton" and not INTERPRETED:
+        pytest.skip(f"no {backend} kernel for CPU tensors")
     g = torch.Generator().manual_seed(3)
     b, hkv, d, n, t, s = 2, 1, 16, 5, 3, 4
     q, k_tree, v_tree = torch.randn(b, hkv, t, d, generator=g), torch.randn(b, hkv, n, d, generator=g), \
@@ -265,8 +266,8 @@ def test_padding_queries_are_defined(backend):
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_pending_equals_square_rows(backend):
     """Attending as the last T of N pending nodes equals the last T rows of the square N-node call."""
-    if backend == "cpp" and not K.has_native("tree_attention") or backend == "triton" and not has_triton():
-        pytest.skip(f"no {backend} kernel")
+    if backend == "cpp" and not K.has_native("tree_attention") or backend == "triton" and not INTERPRETED:
+        pytest.skip(f"no {backend} kernel for CPU tensors")
     case = fixed_case(2, 2, 2, 16, 37, 37, 11, "levels", window=9)
     q, k_cache, v_cache, lens, k_tree, v_tree, mask, pos = build(case)
     square = K.tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, mask, None, pos, 9, backend=backend)
