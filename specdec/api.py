@@ -17,7 +17,7 @@ from specdec.model import ModelRunner
 from specdec.ngram_corpus import NGramCorpus, shipped_corpus, vocab_fingerprint
 from specdec.ngram_tables import NGramTables, load_tables
 from specdec.prompts import encode_prompt
-from specdec.policies import StepCost
+from specdec.policies import DraftGovernor, StepCost
 from specdec.verify import SamplingConfig
 from specdec.warmup import BackgroundCompile, compile_mode, use_persistent_cache
 
@@ -270,7 +270,7 @@ class SpecDecoder:
 
     def generate_ids(self, prompts: list[list[int]], method: str = "pld", max_new_tokens: int = 128,
                      sampling: SamplingConfig = SamplingConfig(), *, max_memory: int | str | None = None,
-                     chunk: bool = True, **options) -> DecodeResult:
+                     chunk: bool = True, governor: DraftGovernor | None = None, **options) -> DecodeResult:
         """Generate from token-id prompts ``[[int]]`` (a ragged batch) with a registered method
         (:mod:`specdec.methods`; ``specdec generate --help`` lists each method's options and defaults).
 
@@ -284,6 +284,10 @@ class SpecDecoder:
         runs as consecutive chunks that fit, one after another (rows are independent: the outputs are the
         same; ``stats.chunks`` says how many); ``chunk=False`` raises :class:`specdec.memory.MemoryLimitError`
         instead, naming the estimate, the limit and the largest batch that fits.
+
+        Governor: a method of the shared decode loop stops drafting while steps without a draft emit more tokens
+        per second (:class:`specdec.policies.DraftGovernor`, one per method and option set, learning across calls;
+        option ``govern=0`` turns it off); ``governor`` replaces that one for this call.
         """
         spec = methods.get(method)
         opts = spec.parse(options)
@@ -310,12 +314,15 @@ class SpecDecoder:
             for cost in (getattr(policy, "cost", None), getattr(getattr(policy, "stop", None), "cost", None)):
                 if hasattr(cost, "ensure_batch") and not spec.own_loop:
                     cost.ensure_batch(self.runner, len(rows))
+            if governor is None and isinstance(opts, methods.GovernedOptions) and opts.govern:
+                governor = self.acceptance(("governor", method, opts), DraftGovernor)
             if drafter is None:
                 res = autoregressive_generate(self.runner, rows, max_new_tokens, sampling, self.eos)
             elif spec.own_loop:
-                res = drafter.generate(self.runner, rows, max_new_tokens, sampling, self.eos)
+                res = drafter.generate(self.runner, rows, max_new_tokens, sampling, self.eos, governor)
             else:
-                res = speculative_generate(self.runner, drafter, rows, max_new_tokens, sampling, self.eos, policy)
+                res = speculative_generate(self.runner, drafter, rows, max_new_tokens, sampling, self.eos, policy,
+                                           governor)
             res.stats.memory_estimate = need[(start, end)]
             if result is None:
                 result = res

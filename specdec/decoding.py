@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafters.base import DecodeState, Drafter
+from specdec.drafters.base import Budget, DecodeState, Drafter
 from specdec.bench_summary import add_counters
 from specdec.model import ModelRunner
-from specdec.policies import StaticLength, cap_nodes, prune
+from specdec.policies import DraftGovernor, StaticLength, cap_nodes, prune
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig, Verifier
 
@@ -184,11 +184,14 @@ def speculative_generate(
     sampling: SamplingConfig = SamplingConfig(),
     eos_token_ids: set[int] | None = None,
     policy=None,
+    governor: DraftGovernor | None = None,
 ) -> DecodeResult:
     """Speculative decoding of ``prompts`` (token id lists, ragged) with ``drafter`` and ``policy``
     (a length policy of :mod:`specdec.policies`: each step's per-row budget, and the measured step cost
     that every target forward is timed into). A tree that carries per-node acceptance estimates is cut to
-    what pays for its cost (:func:`specdec.policies.prune`) before the target sees it.
+    what pays for its cost (:func:`specdec.policies.prune`) before the target sees it. A ``governor``
+    (:class:`specdec.policies.DraftGovernor`) times whole steps and makes the loop draft nothing while steps
+    without a draft emit more tokens per second.
 
     Returns the new tokens of each row (stopping after an EOS or at ``max_new_tokens``) and stats.
     """
@@ -205,6 +208,8 @@ def speculative_generate(
     with _timed(stats, "draft_s"):
         drafter.begin(state)
         policy.begin(len(prompts), state)
+        if governor is not None:
+            governor.begin()
         if drafter.needs_hidden:
             drafter.add_hidden(prompt_hidden, state.seq_lens - 1)
     # Finished rows leave the batch where every holder of per-row state can drop rows (every shipped drafter
@@ -212,8 +217,12 @@ def speculative_generate(
     leave = drafter.keeps_rows and getattr(policy, "keeps_rows", False)
     live = list(range(len(prompts)))  # batch row -> prompt
     while not all(out.done):
+        step_start = time.perf_counter()
+        drafting = governor is None or governor.drafts(len(live))
         with _timed(stats, "draft_s"):
             budget = policy.budget(out.left(live))
+            if not drafting:
+                budget = Budget([0] * len(live))
             tree = drafter.propose(state, budget)
             if tree.accept is not None and budget.cost is not None:
                 tree = prune(tree, budget.cost, [not out.done[i] for i in live])
@@ -239,11 +248,16 @@ def speculative_generate(
                 drafter.add_hidden(hidden.gather(1, step.path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])),
                                    step.path_len)
             drafter.update(state, tree, step.path, step.lengths, step.drafted)
+        if governor is not None:
+            governor.observe(drafting, len(live), sum(step.lengths[r] for r in active),
+                             time.perf_counter() - step_start)
         if leave:
             live, _ = _leave_batch(live, out.done, target, state, drafter, policy)
     drafter.finish()
     stats.draft_calls = drafter.draft_calls
     stats.drafter = drafter.summary()
+    if governor is not None:
+        stats.drafter["governor"] = governor.summary()
     stats.total_s = time.perf_counter() - t0
     return DecodeResult(out.tokens, stats)
 

@@ -48,7 +48,16 @@ class NoOptions:
 
 
 @dataclass(frozen=True)
-class PLDOptions:
+class GovernedOptions:
+    """Options of the methods a :class:`specdec.policies.DraftGovernor` may stop drafting for."""
+
+    govern: int = option(1, "stop drafting while steps without a draft emit more tokens per second, measured "
+                            "per batch size, and try drafting again later (specdec.policies.DraftGovernor); "
+                            "0: always draft", (0, 1))
+
+
+@dataclass(frozen=True)
+class PLDOptions(GovernedOptions):
     num_tokens: int = option(10, "longest draft")
     n_min: int = option(1, "shortest context n-gram matched", cli=False)
     n_max: int = option(4, "longest context n-gram matched")
@@ -61,7 +70,7 @@ class PLDOptions:
 
 
 @dataclass(frozen=True)
-class SDOptions:
+class SDOptions(GovernedOptions):
     draft_length: int = option(5, "draft tokens per step (heuristic: the starting length)")
     schedule: str = option("static", "static; heuristic (transformers' schedule: +2 after a fully accepted draft, "
                                      "else -1); disco (a trained classifier stops each row's draft, see "
@@ -84,7 +93,7 @@ class SDOptions:
 
 
 @dataclass(frozen=True)
-class NGrammysOptions:
+class NGrammysOptions(GovernedOptions):
     k: int = option(10, "drafts per step")
     w: int = option(6, "tokens per draft")
     q: int = option(1, "context query length")
@@ -101,7 +110,7 @@ class NGrammysOptions:
 
 
 @dataclass(frozen=True)
-class GSDOptions:
+class GSDOptions(GovernedOptions):
     k: int = option(4, "candidates (top-k, or draws) per expanded node")
     tau: int = option(2, "preceding tokens a merge must match: a candidate whose (tau + 1)-gram already occurs in "
                          "the graph shares that node's successors", low=0)
@@ -126,7 +135,7 @@ class GSDOptions:
 
 
 @dataclass(frozen=True)
-class OuroborosOptions:
+class OuroborosOptions(GovernedOptions):
     gamma: int = option(1, "chain tokens the draft model drafts per step")
     k: int = option(2, "pool phrases appended per attachment point (0: none)", low=0)
     phrase_len: int = option(4, "tokens per phrase (after its key token)")
@@ -158,7 +167,7 @@ class OuroborosOptions:
 
 
 @dataclass(frozen=True)
-class PearlOptions:
+class PearlOptions(GovernedOptions):
     gamma: int = option(3, "draft window per round (window=fixed), and the adaptive rule's first choice")
     window: str = option("adaptive", "adaptive: each round picks the window with the most expected tokens per "
                                      "second from the target's measured step cost, the draft's measured forward "
@@ -185,7 +194,7 @@ class Method:
     region, ``generate_ids`` before every call (it must be cheap when repeated).
     own_loop: ``build`` returns ``(loop, None)``, a method with a decode loop of its own: ``loop.margin`` (cache
     room past the longest sequence) and ``loop.generate(target_runner, prompts, max_new_tokens, sampling,
-    eos_ids) -> DecodeResult`` (PEARL, whose draft runs beside the target).
+    eos_ids, governor) -> DecodeResult`` (PEARL, whose draft runs beside the target).
     """
 
     name: str

@@ -37,6 +37,11 @@ Sampling is exact by the rejection-sampling argument of ``Verifier.verify``, inc
 ``bonus=False``: after an all-accepted chain the next draw is made at the next round against the same target
 distribution, with fresh randomness. A row whose chain is cut to its remaining token budget, or that verifies
 without the draft (no post-verify), draws its bonus as usual (a per-row ``bonus``).
+
+**Fallback.** The second core may be worth more to the target than a concurrent draft is (on two cores, 0.74x
+`ar` in issue 50). A :class:`~specdec.policies.DraftGovernor` times whole rounds against plain rounds: the draft
+idle, the target on every core (:class:`Cores`) verifying what is pending and drawing the next token, as `ar`.
+While plain rounds emit more tokens per second, rounds are plain, and the governor probes again later.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ import torch
 from specdec.decoding import DecodeResult, DecodeStats, _leave_batch, _start, _timed
 from specdec.draft_worker import ConcurrentDraft
 from specdec.model import ModelRunner
+from specdec.policies import DraftGovernor
 from specdec.tree import DraftTree, SparseProbs
 from specdec.verify import SamplingConfig
 
@@ -164,6 +170,8 @@ def pearl_generate(
     pre_verify: bool = True,
     post_verify: bool = True,
     proposal_topk: int = 64,
+    governor: DraftGovernor | None = None,
+    cores: "Cores | None" = None,
 ) -> DecodeResult:
     """PEARL decoding of ``prompts`` (token id lists, ragged) with ``draft`` drafting beside ``target``.
 
@@ -174,6 +182,9 @@ def pearl_generate(
     Returns the new tokens per row (stopping after an EOS or at ``max_new_tokens``) and stats;
     ``stats.drafter["pearl"]`` counts rounds by kind and sums the target's forward seconds, the draft's window
     seconds and the seconds the target waited for the draft.
+
+    ``governor``: decides per round whether the draft drafts (see the module's "Fallback"); a plain round runs the
+    target on ``cores.alone()`` (default: the threads it has), a drafting one on ``cores.shared()``.
     """
     window = window or WindowLength(4)
     gmax = window.largest
@@ -194,6 +205,10 @@ def pearl_generate(
     first_window = True
     rounds = _Rounds()
     while not all(out.done):
+        round_start = time.perf_counter()
+        concurrent = governor is None or governor.drafts(len(live))
+        if cores is not None:
+            cores.shared() if concurrent else cores.alone()
         gamma = window.choose()
         lens = state.seq_lens_host
         depth, verify_row, use_window, run = [0] * b, [False] * b, [False] * b, [[] for _ in range(b)]
@@ -207,6 +222,8 @@ def pearl_generate(
                 pending[r], m = pending[r][: left - 1], left - 1
                 if pending_q[r] is not None:
                     pending_q[r] = SparseProbs(pending_q[r].ids[:, :m], pending_q[r].probs[:, :m])
+                verify_row[r] = True
+            elif not concurrent:  # a plain round: verify what is pending and draw the next token, the draft idle
                 verify_row[r] = True
             elif m > 0 and not post_verify:  # verify the pending drafts alone, the draft idle
                 verify_row[r] = True
@@ -251,7 +268,7 @@ def pearl_generate(
         rounds.gamma_sum += gamma
         if target_seconds is not None:
             rounds.target_s += target_seconds
-        tested_all = accepted_all = 0
+        tested_all = accepted_all = emitted_all = 0
         new_pending: list[list[int]] = [[] for _ in range(b)]
         new_q: list[SparseProbs | None] = [None] * b
         if logits is not None:
@@ -284,6 +301,7 @@ def pearl_generate(
                 stats.accepted_tokens += n_path - 1
                 stats.accept_lengths.append(n_path - 1)
                 out.add(live[r], host[r][4: 4 + n_emit])
+                emitted_all += n_emit
                 pre = len(run[r]) == 0
                 if use_window[r] and not nxt:  # every draft accepted, the window's first token too
                     new_pending[r], new_q[r] = _window_tail(win, r, 1, depth[r])
@@ -304,13 +322,18 @@ def pearl_generate(
                 rounds.draft_only += 1
         pending, pending_q = new_pending, new_q
         # one-row forwards teach the window rule the target's step cost, also once a batch is down to one row
+        # (a plain round's forward ran on other threads than the window rule's costs)
         window.observe(tested_all, accepted_all, win.seconds if win and not first_window else None,
-                       win.forwards if win else 0, target_seconds if b == 1 else None, nodes)
+                       win.forwards if win else 0, target_seconds if b == 1 and concurrent else None, nodes)
+        if governor is not None:
+            governor.observe(concurrent, b, emitted_all, time.perf_counter() - round_start)
         live, kept = _leave_batch(live, out.done, target, state, draft)
         if kept is not None:  # later rounds compute only the rows still generating
             pending, pending_q, fed = ([x[r] for r in kept] for x in (pending, pending_q, fed))
             b = len(live)
     stats.drafter = rounds.summary()
+    if governor is not None:
+        stats.drafter["governor"] = governor.summary()
     stats.total_s = time.perf_counter() - t0
     return DecodeResult(out.tokens, stats)
 
@@ -377,7 +400,10 @@ class PearlDecoding:
         return self.largest_window + 1
 
     def generate(self, target: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
-                 sampling: SamplingConfig, eos_token_ids: set[int] | None) -> DecodeResult:
+                 sampling: SamplingConfig, eos_token_ids: set[int] | None,
+                 governor: DraftGovernor | None = None) -> DecodeResult:
+        """PEARL over ``prompts``; ``governor``: rounds without the draft, on every core, where they emit more per
+        second (not with ``pre_verify`` off: its drafting-only rounds emit nothing, so a round's rate means nothing)."""
         # The draft runs ahead of the target for the whole generation (its window beyond the last token), so
         # unlike the drafters of the other methods it cannot stop at its context's end: refused up front.
         need = max((len(p) for p in prompts), default=0) + max_new_tokens + self.largest_window
@@ -386,11 +412,38 @@ class PearlDecoding:
                              f"{need} positions, the draft has {self.draft_positions} (sd, gsd and ouroboros stop "
                              f"drafting there and go on as ar)")
         draft, core = self.make_backend()
-        with one_thread(avoid=core):
+        cores = Cores(avoid=core)
+        try:
+            cores.shared()
             if self.window is None:
                 self.window = self.make_window()  # an adaptive window calibrates on this one thread
             return pearl_generate(target, draft, prompts, max_new_tokens, sampling, eos_token_ids, self.window,
-                                  self.pre_verify, self.post_verify, self.proposal_topk)
+                                  self.pre_verify, self.post_verify, self.proposal_topk,
+                                  governor if self.pre_verify else None, cores)
+        finally:
+            cores.alone()
+
+
+class Cores:
+    """Switches this process between one intra-op thread off core ``avoid`` (``shared``: a draft worker has that
+    core) and the threads and cores it started with (``alone``)."""
+
+    def __init__(self, avoid: int | None = None):
+        self.threads, self.cores, self.avoid = torch.get_num_threads(), os.sched_getaffinity(0), avoid
+        self._shared: bool | None = None
+
+    def shared(self) -> None:
+        if self._shared is not True:
+            torch.set_num_threads(1)
+            if self.avoid is not None and self.cores - {self.avoid}:
+                os.sched_setaffinity(0, self.cores - {self.avoid})
+            self._shared = True
+
+    def alone(self) -> None:
+        if self._shared is not False:
+            torch.set_num_threads(self.threads)
+            os.sched_setaffinity(0, self.cores)
+            self._shared = False
 
 
 @contextmanager

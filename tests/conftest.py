@@ -81,6 +81,16 @@ def untrained_disco(dec, threshold: float = 0.5, max_length: int = 4) -> str:
     return path
 
 
+def ungoverned(method: str, options: dict) -> dict:
+    """``options`` with the draft governor off where ``method`` has one (a governor decides from wall-clock
+    timings: a test that compares drafts across runs needs them not to depend on the machine's load)."""
+    from specdec import methods
+
+    if issubclass(methods.get(method).options, methods.GovernedOptions):
+        return {"govern": 0, **options}
+    return options
+
+
 def runnable(dec, options: dict) -> dict:
     """``options`` plus what a schedule needs on a decoder of tiny test models (a classifier file for disco)."""
     if options.get("schedule") == "disco" and "disco" not in options:

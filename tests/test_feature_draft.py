@@ -228,7 +228,7 @@ def test_bench_compares_two_drafts_in_one_run():
     calls = {name: 0 for name in dec.drafts}
     for name, (model, _) in dec.drafts.items():
         model.register_forward_pre_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
-    methods = ["hf", "hf-assisted:draft=draft1", "sd:draft_length=3", "sd:draft=draft1:draft_length=3"]
+    methods = ["hf", "hf-assisted:draft=draft1", "sd:draft_length=3:govern=0", "sd:draft=draft1:draft_length=3:govern=0"]
     res = run_bench(dec, methods, prompts, 12)
     assert all(r["identical_to_reference"] for r in res["runs"])
     used = {}
@@ -237,8 +237,8 @@ def test_bench_compares_two_drafts_in_one_run():
         dec_res = run_bench(dec, ["hf", m], prompts[:1], 6)
         assert dec_res["runs"]
         used[m] = {n for n in calls if calls[n] > before[n]}
-    assert used == {"hf-assisted:draft=draft1": {"draft1"}, "sd:draft_length=3": {"draft0"},
-                    "sd:draft=draft1:draft_length=3": {"draft1"}}
+    assert used == {"hf-assisted:draft=draft1": {"draft1"}, "sd:draft_length=3:govern=0": {"draft0"},
+                    "sd:draft=draft1:draft_length=3:govern=0": {"draft1"}}
     with pytest.raises(ValueError, match="not loaded"):
         run_bench(dec, ["hf", "sd:draft=nope"], prompts, 6)
 

@@ -10,7 +10,7 @@ from specdec import methods
 from specdec.api import SpecDecoder, hf_generate
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig
-from tests.conftest import runnable, schedule_variants, tiny_model
+from tests.conftest import runnable, schedule_variants, tiny_model, ungoverned
 
 GREEDY = SamplingConfig()
 
@@ -118,6 +118,8 @@ def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sam
     import specdec.pearl
     from specdec.model import ModelRunner
 
+    if same_drafts:
+        opts = ungoverned(method, opts)
     rows, decoding = [], [False]  # rows of each forward after the prompt's (calibrations run before it)
     forward, prefill = ModelRunner.forward_tree, ModelRunner.prefill
 

@@ -225,7 +225,7 @@ def test_the_walk_and_the_phrases_happen_and_stay_exact(exact_dec):
     exact_dec.reset_learned()
     prompts = prompts_of(2)
     ref = exact_dec.generate_ids(prompts, "ar", 40).tokens
-    res = exact_dec.generate_ids(prompts, "ouroboros", 40, gamma=5, schedule="static", lookahead=1, context=0)
+    res = exact_dec.generate_ids(prompts, "ouroboros", 40, gamma=5, schedule="static", lookahead=1, context=0, govern=0)
     assert res.tokens == ref
     s = res.stats.drafter["ouroboros"]
     assert s["walk_tokens"] > 0 and s["phrase_tokens_accepted"] > 0 and s["from_window"] > 0, s
@@ -356,6 +356,6 @@ def test_draft_cache_keeps_only_what_the_committed_text_confirms(monkeypatch):
     prompts = [loop * 4, [3] + loop * 3, prompts_of(11)[2]]
     ref = dec.generate_ids(prompts, "ar", 32).tokens
     res = dec.generate_ids(prompts, "ouroboros", 32, gamma=3, attach="all", context=1, lookahead=1,
-                           schedule="static")
+                           schedule="static", govern=0)
     assert res.tokens == ref
     assert diverged > 0  # the case happened

@@ -60,7 +60,7 @@ def test_acceptance_regimes_and_round_kinds(scale):
     dec = decoder("llama", scale)
     prompt = prompt_of(9, seed=5)
     ref = hf_generate(dec.model, prompt, 40, GREEDY)
-    out = dec.generate_ids([prompt], "pearl", 40, GREEDY, backend="inline", window="fixed", gamma=4)
+    out = dec.generate_ids([prompt], "pearl", 40, GREEDY, backend="inline", window="fixed", gamma=4, govern=0)
     assert out.tokens[0] == ref
     r = out.stats.drafter["pearl"]
     assert r["pre_accept"] + r["pre_reject"] + r["post_all"] + r["post_reject"] + r["bonus"] == out.stats.steps

@@ -1,0 +1,136 @@
+"""The draft governor: it stops drafting where plain steps emit more per second, resumes where drafting
+pays again, and whatever it decides, every method's output stays the target's own."""
+from __future__ import annotations
+
+import pytest
+
+from specdec import methods
+from specdec.api import hf_generate
+from specdec.policies import DraftGovernor
+from specdec.verify import SamplingConfig
+from tests.conftest import runnable
+from tests.test_greedy_lossless import decoder, prompt_of
+
+GREEDY = SamplingConfig()
+
+
+def drive(gov: DraftGovernor, steps: int, rate, rows: int = 4) -> list[bool]:
+    """Run ``gov`` for ``steps`` steps over ``rows`` rows where a step of kind ``k`` at step ``i`` emits one
+    token per row at ``rate(i, k)`` tokens per second per row. Returns the kinds it chose."""
+    kinds = []
+    for i in range(steps):
+        k = gov.drafts(rows)
+        gov.observe(k, rows, rows, 1.0 / rate(i, k))
+        kinds.append(k)
+    return kinds
+
+
+def test_stops_drafting_where_plain_steps_win_and_probes_again():
+    gov = DraftGovernor(probe=3, pause=8, max_pause=64)
+    kinds = drive(gov, 400, lambda i, k: 1.0 if k else 2.0)
+    assert kinds[:6] == [True, False] * 3  # the first probe alternates the kinds
+    drafting = sum(kinds[6:])
+    # After the probe only probes draft: 3 steps after pauses of 9, 17, 33, 65, 65, ... plain steps.
+    assert 0 < drafting <= 3 * 8, drafting
+    assert not any(kinds[-40:-20]) or not any(kinds[-20:])  # long plain stretches at the end
+
+
+def test_resumes_drafting_once_it_pays_again():
+    gov = DraftGovernor(probe=3, pause=8, max_pause=64)
+    kinds = drive(gov, 300, lambda i, k: (1.0 if i < 100 else 3.0) if k else 2.0)
+    assert sum(kinds[30:100]) < 20  # plain while drafting loses
+    switched = next(i for i in range(100, 300) if all(kinds[i: i + 20]))
+    assert switched < 100 + 64 + 2 * 3 + 5  # found within one longest pause and a probe
+    assert sum(kinds[-100:]) > 90  # and drafting kept (plain only in refresh probes)
+
+
+def test_keeps_drafting_where_it_pays():
+    gov = DraftGovernor(probe=3, refresh=128)
+    kinds = drive(gov, 500, lambda i, k: 2.0 if k else 1.0)
+    assert len(kinds) - sum(kinds) <= 3 * (1 + 500 // 128)  # plain steps only in probes
+
+
+def test_one_slow_step_decides_nothing():
+    steady = drive(DraftGovernor(probe=3, window=5), 200, lambda i, k: 2.0 if k else 1.0)
+    # A drafting step 200x slower than the rest (a page fault, a busy core) changes no decision.
+    assert drive(DraftGovernor(probe=3, window=5), 200, lambda i, k: (0.01 if i == 50 else 2.0) if k else 1.0) == steady
+
+
+def test_batch_sizes_are_governed_apart():
+    gov = DraftGovernor(probe=3)
+    drive(gov, 100, lambda i, k: 2.0 if k else 1.0, rows=1)  # one row: drafting pays
+    big = drive(gov, 100, lambda i, k: 1.0 if k else 2.0, rows=16)  # sixteen rows: it does not
+    assert sum(big[-50:]) < 10
+    gov.begin()
+    assert all(drive(gov, 20, lambda i, k: 2.0 if k else 1.0, rows=1))  # one row's rates were kept
+    assert gov.rate(16, True) == pytest.approx(1.0) and gov.rate(16, False) == pytest.approx(2.0)
+
+
+def test_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        DraftGovernor(probe=0)
+    with pytest.raises(ValueError):
+        DraftGovernor(pause=16, max_pause=8)
+
+
+class Scripted(DraftGovernor):
+    """Drafts on the steps ``pattern`` says (cycled): exactness must not depend on what a governor decides."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = pattern
+
+    def begin(self) -> None:
+        super().begin()
+        self.step = 0
+
+    def drafts(self, rows: int) -> bool:
+        kind = self.pattern[self.step % len(self.pattern)] == "d"
+        self.step += 1
+        self.counts["drafting_steps" if kind else "plain_steps"] += 1
+        return kind
+
+
+GOVERNED = [m for m in methods.names() if issubclass(methods.get(m).options, methods.GovernedOptions)]
+
+
+def test_every_shared_loop_method_is_governed():
+    assert {"pld", "sd", "ngrammys", "gsd", "ouroboros"} <= set(GOVERNED)
+
+
+@pytest.mark.parametrize("method", GOVERNED)
+@pytest.mark.parametrize("pattern", ["dp", "pppd", "ddddpppp"])
+def test_greedy_output_is_the_targets_whatever_the_governor_decides(arch, method, pattern):
+    """Plain steps between drafting ones (a model draft catching up on what it skipped, acceptance tables that
+    saw no draft) leave the output the target's own, in a ragged batch too."""
+    dec = decoder(arch)
+    prompts = [prompt_of(9, seed=1) * 2, prompt_of(4, seed=2)]
+    opts = runnable(dec, {})
+    out = dec.generate_ids(prompts, method, 30, GREEDY, governor=Scripted(pattern), **opts)
+    for p, got in zip(prompts, out.tokens):
+        assert got == hf_generate(dec.model, p, 30, GREEDY)
+    counts = out.stats.drafter["governor"]
+    assert counts["plain_steps"] > 0 and counts["drafting_steps"] > 0
+    assert out.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("pattern", ["dp", "pppd"])
+def test_pearl_inline_falls_back_to_plain_rounds_exactly(pattern):
+    """PEARL's plain rounds (the draft idle, the target on every thread) between concurrent ones, inline."""
+    dec = decoder("llama")
+    prompts = [prompt_of(9, seed=1) * 2, prompt_of(4, seed=2)]
+    out = dec.generate_ids(prompts, "pearl", 30, GREEDY, governor=Scripted(pattern), backend="inline")
+    for p, got in zip(prompts, out.tokens):
+        assert got == hf_generate(dec.model, p, 30, GREEDY)
+    assert out.stats.drafter["governor"]["plain_steps"] > 0 and out.stats.drafted_tokens > 0
+
+
+def test_govern_option_turns_it_off():
+    dec = decoder("llama")
+    prompt = prompt_of(12)
+    on = dec.generate_ids([prompt], "pld", 20, GREEDY)
+    off = dec.generate_ids([prompt], "pld", 20, GREEDY, govern=0)
+    assert on.tokens == off.tokens
+    assert "governor" in on.stats.drafter and "governor" not in off.stats.drafter
+    with pytest.raises(ValueError, match="govern"):
+        dec.generate_ids([prompt], "pld", 20, GREEDY, govern=2)
