@@ -7,8 +7,10 @@ their reach estimates can run high. In a batch that is what decides: 16 rows of 
 from budget to update, and compares the two kinds a decode loop can take: drafting steps (the method as
 built) and plain steps (a zero budget: the target verifies each row's root, one token a row, as `ar`).
 
-Per batch size (rows still generating) it keeps the last few rates of each kind, in tokens per second per
-row, and drafts while the median drafting rate is at least the median plain rate. Rates are taken in
+Per batch size (rows still generating) it keeps the last few steps of each kind, tokens per row and seconds,
+and drafts while drafting's rate over them (their tokens over their seconds: a draft pays in bursts, a row
+copying its context for a step or two, which a median would ignore; each step's seconds clipped to 3x the
+median, so one slow step decides nothing) is at least the plain steps'. Rates are taken in
 probes that alternate the two kinds step by step, so both are timed under the same load (this machine's
 speed drifts by 20% over seconds). Once plain steps win it probes again after a pause that doubles each
 time drafting still loses (8, 16, 32, 64 steps) and resets once it wins, so a row that starts copying its
@@ -28,20 +30,21 @@ class DraftGovernor:
 
     probe: steps of each kind in one probe; pause: plain steps before drafting is tried again (doubling
     to ``max_pause`` while it keeps losing); refresh: drafting steps between re-timings of plain steps;
-    window: rates kept per kind and batch size (the median decides, so one slow step decides nothing).
+    window: steps kept per kind and batch size.
     """
 
-    def __init__(self, probe: int = 3, pause: int = 8, max_pause: int = 64, refresh: int = 128, window: int = 5):
+    def __init__(self, probe: int = 3, pause: int = 8, max_pause: int = 64, refresh: int = 128, window: int = 8):
         if min(probe, pause, refresh, window) < 1 or max_pause < pause:
             raise ValueError("probe, pause, refresh and window must be >= 1 and max_pause >= pause")
         self.probe, self.pause, self.max_pause, self.refresh, self.window = probe, pause, max_pause, refresh, window
-        self._rates: dict[int, dict[bool, deque]] = {}  # rows -> drafting? -> tokens/s/row of recent steps
+        self._rates: dict[int, dict[bool, deque]] = {}  # rows -> drafting? -> (tokens per row, seconds) of recent steps
         self.begin()
 
     def begin(self) -> None:
         """A new generation starts: draft first, with the pause at its shortest (the rates stay)."""
         self.counts = {"drafting_steps": 0, "plain_steps": 0, "switches_to_plain": 0, "switches_to_drafting": 0}
         self._queue: list[bool] = []  # the kinds of a probe's remaining steps, last first
+        self._probed = False  # the next decision follows a probe
         self._pause, self._waited, self._since_plain = self.pause, 0, 0
         self._last: bool | None = None
 
@@ -53,11 +56,15 @@ class DraftGovernor:
                                  for k in (True, False)}
         return self._rates[rows]
 
-    def rate(self, rows: int, drafting: bool) -> float | None:
-        """The median of the recent tokens per second per row of ``drafting`` (or plain) steps over ``rows``
-        rows; None before any."""
-        seen = self._rates.get(rows, {}).get(drafting)
-        return median(seen) if seen else None
+    def rate(self, rows: int, drafting: bool, last: int | None = None) -> float | None:
+        """Tokens per second per row of the recent ``drafting`` (or plain) steps over ``rows`` rows, the ``last``
+        ones only if given (None before any): their tokens over their seconds, each step's clipped to 3x their
+        median."""
+        seen = list(self._rates.get(rows, {}).get(drafting, ()))[-last if last else 0:]
+        if not seen:
+            return None
+        cap = 3 * median(t for _, t in seen)
+        return sum(n for n, _ in seen) / sum(min(t, cap) for _, t in seen)
 
     def drafts(self, rows: int) -> bool:
         """Whether the next step over ``rows`` rows drafts."""
@@ -74,7 +81,13 @@ class DraftGovernor:
         bucket = self._bucket(rows)
         if min(len(bucket[True]), len(bucket[False])) < self.probe:
             return self._compare()
-        if median(bucket[True]) >= median(bucket[False]):
+        # Right after a probe its own steps decide (timed side by side); otherwise the whole window.
+        last, self._probed = (self.probe if self._probed else None), False
+        if self.rate(rows, True, last) >= self.rate(rows, False, last):
+            if last:  # drafting pays again: its steps from before the probe are stale
+                fresh = list(bucket[True])[-last:]
+                bucket[True].clear()
+                bucket[True].extend(fresh)
             self._pause, self._waited = self.pause, 0
             self._since_plain += 1
             if self._since_plain > self.refresh:
@@ -91,12 +104,13 @@ class DraftGovernor:
         """Start a probe: ``probe`` drafting and plain steps, alternating (so that both kinds are timed under
         the same load, on a machine whose speed drifts), drafting first."""
         self._queue = [False, True] * self.probe  # popped from the end
+        self._probed = True
         return self._queue.pop()
 
     def observe(self, drafting: bool, rows: int, tokens: int, seconds: float) -> None:
         """A step over ``rows`` rows that drafted (or not) emitted ``tokens`` in ``seconds`` of wall time."""
         if rows > 0 and seconds > 0:
-            self._bucket(rows)[drafting].append(tokens / seconds / rows)
+            self._bucket(rows)[drafting].append((tokens / rows, seconds))
 
     def summary(self) -> dict:
         """Steps of each kind and switches between them in this generation (JSON-serialisable)."""
