@@ -253,12 +253,12 @@ def test_disco_threshold_zero_drafts_to_the_maximum_and_one_stops_after_one(tiny
     dec, path, *_ = tiny_disco
     p = [prompt_of(7, seed=21)]
     always = dec.generate_ids(p, "sd", 20, GREEDY, schedule="disco", disco=str(path), disco_threshold=0.0,
-                              max_draft_length=3)
-    static = dec.generate_ids(p, "sd", 20, GREEDY, draft_length=3)
+                              max_draft_length=3, govern=0)
+    static = dec.generate_ids(p, "sd", 20, GREEDY, draft_length=3, govern=0)
     assert always.stats.drafted_tokens == static.stats.drafted_tokens
     never = dec.generate_ids(p, "sd", 20, GREEDY, schedule="disco", disco=str(path), disco_threshold=1.0,
-                             max_draft_length=3)
-    one = dec.generate_ids(p, "sd", 20, GREEDY, draft_length=1)
+                             max_draft_length=3, govern=0)
+    one = dec.generate_ids(p, "sd", 20, GREEDY, draft_length=1, govern=0)
     assert never.stats.drafted_tokens == one.stats.drafted_tokens
     assert never.tokens == always.tokens == one.tokens
 

@@ -200,7 +200,7 @@ def test_distill_eagle_end_to_end(distilled):
     assert summary["held_out"]["positions"] > 0
     dec = SpecDecoder(target, draft=draft)
     for temperature in (0.0, 0.9):
-        res = dec.generate_ids(prompts[:3], "sd", 24, SamplingConfig(temperature, seed=0), draft_length=3)
+        res = dec.generate_ids(prompts[:3], "sd", 24, SamplingConfig(temperature, seed=0), draft_length=3, govern=0)
         assert res.stats.accepted_tokens > 0
         if temperature == 0:
             assert res.tokens == [hf_generate(target, p, 24, SamplingConfig()) for p in prompts[:3]]

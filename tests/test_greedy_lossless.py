@@ -79,7 +79,7 @@ def test_repetitive_context_is_accepted_by_pld():
     dec = decoder("gemma3")
     prompt = prompt_of(8, seed=1)
     ref = hf_generate(dec.model, prompt, 40, GREEDY)
-    out = dec.generate_ids([prompt], "pld", 40, GREEDY)
+    out = dec.generate_ids([prompt], "pld", 40, GREEDY, govern=0)  # ungoverned: on a tiny model plain steps may win
     assert out.tokens[0] == ref
     assert out.stats.accepted_tokens > 0 and out.stats.target_calls < len(ref)
 

@@ -168,8 +168,8 @@ def test_process_backend_matches_inline_and_transformers(worker_decoder):
     """The worker process drafts the same windows as the inline backend: same tokens, same counts."""
     dec = worker_decoder
     prompts = [prompt_of(6, seed=1), prompt_of(25, seed=2), prompt_of(11, seed=3)]
-    proc = dec.generate_ids(prompts, "pearl", 30, GREEDY, window="fixed", gamma=3)
-    inline = dec.generate_ids(prompts, "pearl", 30, GREEDY, window="fixed", gamma=3, backend="inline")
+    proc = dec.generate_ids(prompts, "pearl", 30, GREEDY, window="fixed", gamma=3, govern=0)
+    inline = dec.generate_ids(prompts, "pearl", 30, GREEDY, window="fixed", gamma=3, backend="inline", govern=0)
     assert proc.tokens == inline.tokens == [hf_generate(dec.model, p, 30, GREEDY) for p in prompts]
     assert proc.stats.draft_calls == inline.stats.draft_calls > 0
     assert proc.stats.drafter["pearl"]["rounds"] == inline.stats.drafter["pearl"]["rounds"]
