@@ -15,7 +15,7 @@ probes that alternate the two kinds step by step, so both are timed under the sa
 speed drifts by 20% over seconds). Once plain steps win it probes again after a pause that doubles each
 time drafting still loses (8, 16, 32, 64 steps) and resets once it wins, so a row that starts copying its
 context is found again; while drafting wins it probes again every ``refresh`` drafting steps. Rates persist across generations of one
-decoder (:meth:`begin` resets only the schedule), so each call does not pay to relearn them.
+decoder, and so does the probe schedule, so each call does not pay to relearn them.
 
 Every decision keeps decoding exact: a plain step is a draft of nothing.
 """
@@ -38,14 +38,15 @@ class DraftGovernor:
             raise ValueError("probe, pause, refresh and window must be >= 1 and max_pause >= pause")
         self.probe, self.pause, self.max_pause, self.refresh, self.window = probe, pause, max_pause, refresh, window
         self._rates: dict[int, dict[bool, deque]] = {}  # rows -> drafting? -> (tokens per row, seconds) of recent steps
+        self._pause, self._waited, self._since_plain = pause, 0, 0
         self.begin()
 
     def begin(self) -> None:
-        """A new generation starts: draft first, with the pause at its shortest (the rates stay)."""
+        """A new generation starts (the rates and the probe schedule carry over: a workload of short generations
+        would otherwise pay for a probe every few steps)."""
         self.counts = {"drafting_steps": 0, "plain_steps": 0, "switches_to_plain": 0, "switches_to_drafting": 0}
         self._queue: list[bool] = []  # the kinds of a probe's remaining steps, last first
         self._probed = False  # the next decision follows a probe
-        self._pause, self._waited, self._since_plain = self.pause, 0, 0
         self._last: bool | None = None
 
     def _bucket(self, rows: int) -> dict[bool, deque]:
