@@ -389,7 +389,8 @@ def test_shipped_draft_borrows_its_targets_tokenizer(name):
 @pytest.mark.parametrize("name", SHIPPED_DRAFTS)
 @pytest.mark.parametrize("prompt", SHIPPED_PROMPTS)
 def test_sd_with_shipped_draft_is_lossless_on_embedded_model(prompt, name):
-    out = specdec.generate(prompt, method="sd", draft=name, max_new_tokens=32)
+    # ungoverned: the cached decoder's governor may have learned from earlier tests that plain steps win
+    out = specdec.generate(prompt, method="sd", draft=name, max_new_tokens=32, govern=0)
     model, tok = load_model("smollm2", "fp32")
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True)["input_ids"]
     assert out.tokens == hf_generate(model, list(ids), 32, SamplingConfig())
