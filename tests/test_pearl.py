@@ -194,8 +194,10 @@ def test_process_backend_samples_like_inline(worker_decoder):
     dec = worker_decoder
     cfg = SamplingConfig(temperature=0.9, seed=3)
     prompts = [prompt_of(6, seed=1), prompt_of(13, seed=2)]
-    proc = dec.generate_ids(prompts, "pearl", 24, cfg, window="fixed", gamma=3, proposal_topk=8)
-    inline = dec.generate_ids(prompts, "pearl", 24, cfg, window="fixed", gamma=3, proposal_topk=8, backend="inline")
+    # ungoverned: the same draws need the same rounds, and a governor's plain rounds follow timings
+    proc = dec.generate_ids(prompts, "pearl", 24, cfg, window="fixed", gamma=3, proposal_topk=8, govern=0)
+    inline = dec.generate_ids(prompts, "pearl", 24, cfg, window="fixed", gamma=3, proposal_topk=8, backend="inline",
+                              govern=0)
     assert proc.tokens == inline.tokens
 
 
@@ -208,7 +210,7 @@ def test_worker_death_mid_generation_is_a_clear_error_and_leaves_no_zombie():
     killer.start()
     with pytest.raises(DraftWorkerError, match="died"):
         for _ in range(200):  # long enough that the kill lands mid-generation
-            dec.generate_ids([prompt_of(40, seed=2)], "pearl", 400, GREEDY)
+            dec.generate_ids([prompt_of(40, seed=2)], "pearl", 400, GREEDY, govern=0)  # every round asks the worker
     killer.join()
     assert not _alive(pid)
     # The next call starts a new worker and works.
