@@ -220,9 +220,7 @@ def speculative_generate(
         step_start = time.perf_counter()
         drafting = governor is None or governor.drafts(len(live))
         with _timed(stats, "draft_s"):
-            budget = policy.budget(out.left(live))
-            if not drafting:
-                budget = Budget([0] * len(live))
+            budget = policy.budget(out.left(live)) if drafting else Budget([0] * len(live))
             tree = drafter.propose(state, budget)
             if tree.accept is not None and budget.cost is not None:
                 tree = prune(tree, budget.cost, [not out.done[i] for i in live])

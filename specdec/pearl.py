@@ -449,13 +449,9 @@ class Cores:
 @contextmanager
 def one_thread(avoid: int | None = None):
     """Run the body on one intra-op thread, off core ``avoid`` (if given); both restored afterwards."""
-    threads = torch.get_num_threads()
-    cores = os.sched_getaffinity(0)
-    torch.set_num_threads(1)
-    if avoid is not None and cores - {avoid}:
-        os.sched_setaffinity(0, cores - {avoid})
+    cores = Cores(avoid)
+    cores.shared()
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
-        os.sched_setaffinity(0, cores)
+        cores.alone()
