@@ -57,6 +57,44 @@ def test_every_registered_method_matches_transformers_on_gguf_weights(arch, meth
     assert out.tokens == [hf_generate(dense, p, 24, GREEDY) for p in prompts]
 
 
+def test_decoded_codes_are_cached_per_file_and_model(tmp_path, monkeypatch):
+    """The second load of a GGUF reads its codes from ``$SPECDEC_CACHE`` (no GGUF parsing) and builds the same
+    model; a changed file, or an unreadable cache entry, is decoded afresh."""
+    import copy
+    import os
+
+    from specdec import gguf_weights
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    dense, path = tiny_gguf("llama", seed=0)
+    first = copy.deepcopy(dense)
+    apply_gguf_weights(first, path)
+    (entry,) = (tmp_path / "gguf-codes").iterdir()
+
+    decode = gguf_weights.gguf_codes
+
+    def refuse(*args):
+        raise AssertionError("decoded the GGUF again")
+
+    monkeypatch.setattr(gguf_weights, "gguf_codes", refuse)
+    second = copy.deepcopy(dense)
+    apply_gguf_weights(second, path)
+    ids = torch.tensor([prompt_of(20, seed=4)])
+    with torch.no_grad():
+        torch.testing.assert_close(second(ids).logits, first(ids).logits, rtol=0, atol=0)
+
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: its old entry is not read
+    with pytest.raises(AssertionError, match="decoded the GGUF again"):
+        apply_gguf_weights(copy.deepcopy(dense), path)
+
+    monkeypatch.setattr(gguf_weights, "gguf_codes", decode)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    entry.write_bytes(b"truncated")
+    apply_gguf_weights(copy.deepcopy(dense), path)
+    assert torch.load(entry, weights_only=True)  # replaced by a whole entry
+
+
 def test_blocks_of_another_model_are_refused():
     _, path = tiny_gguf("llama", seed=0)
     other = tiny_model("llama", seed=1)
