@@ -20,6 +20,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -581,6 +582,55 @@ def stream(args: argparse.Namespace) -> None:
     finish({"stream_bytes_per_s": bw, "threads": torch.get_num_threads(), "cpu": cpu_name()}, args.json)
 
 
+# ----------------------------------------------------------------------------------------
+# warm-start
+# ----------------------------------------------------------------------------------------
+
+WARM_START = """How long a new process takes to decode compiled: import, load, compile or load the graphs, first tokens.
+
+Runs ``--runs`` fresh Python processes one after another, each building ``SpecDecoder(model, compile=on)`` and
+generating ``--max-new-tokens`` tokens with ``ar``. The first run on a machine compiles and saves the graphs
+(:mod:`specdec.precompile`); later ones load them. ``SPECDEC_PRECOMPILE=0`` in the environment measures the old
+path (trace and compile in every process, from inductor's warm cache).
+
+    OMP_NUM_THREADS=2 python -m bench.profile warm-start --runs 3 --dtype bf16 [--json OUT]
+"""
+
+_WARM_START_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from specdec.api import SpecDecoder
+t1 = time.perf_counter()
+dec = SpecDecoder(sys.argv[1], dtype=sys.argv[2], compile="on")
+t2 = time.perf_counter()
+out = dec.generate_ids([dec.encode("Name three primes.")], "ar", int(sys.argv[3]))
+t3 = time.perf_counter()
+fwd = dec.runner._compiled
+print(json.dumps({"import_s": t1 - t0, "init_s": t2 - t1, "generate_s": t3 - t2, "ready_s": t2 - t0,
+                  "decode_ms_per_token": 1e3 * (out.stats.total_s - out.stats.prefill_s) / max(1, out.stats.steps),
+                  "graphs_loaded": getattr(fwd, "loaded", None), "graphs_saved": getattr(fwd, "saved", None)}))
+"""
+
+
+def warm_start(args: argparse.Namespace) -> None:
+    import subprocess
+    import sys
+
+    runs = []
+    for i in range(args.runs):
+        t = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", _WARM_START_CHILD, args.model, args.dtype,
+                               str(args.max_new_tokens)], capture_output=True, text=True, check=True)
+        run = json.loads(done.stdout.strip().splitlines()[-1])
+        run["process_s"] = time.perf_counter() - t
+        runs.append(run)
+        print(f"run {i}: ready in {run['ready_s']:.1f} s (import {run['import_s']:.1f}, decoder {run['init_s']:.1f}), "
+              f"graphs loaded {run['graphs_loaded']}, saved {run['graphs_saved']}, "
+              f"{run['decode_ms_per_token']:.1f} ms/token")
+    finish({"model": args.model, "dtype": args.dtype, "cpu": cpu_name(), "threads": os.environ.get("OMP_NUM_THREADS"),
+            "precompile": os.environ.get("SPECDEC_PRECOMPILE", "1"), "runs": runs}, args.json)
+
+
 def parser() -> argparse.ArgumentParser:
     from specdec.linear import LINEAR_KERNELS
 
@@ -643,6 +693,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.set_defaults(run=attention)
+
+    p = subcommand(subs, "warm-start", WARM_START)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.set_defaults(run=warm_start)
 
     p = subcommand(subs, "linear", LINEAR)
     p.add_argument("--prompts", default=DEV_PROMPTS)

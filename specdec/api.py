@@ -89,6 +89,7 @@ class SpecDecoder:
                  corpus: "str | NGramCorpus | None" = "auto", compile: bool | str | None = None,
                  weights: str = "auto"):
         mode = compile_mode(compile)
+        runner_compile = {"on": True, "saved": "saved"}.get(mode, False)
         if mode != "off":
             use_persistent_cache(cache_dir() / "inductor")
         if isinstance(model, PreTrainedModel):
@@ -109,9 +110,9 @@ class SpecDecoder:
                                  f"{dm.config.hidden_size}, the target's are {width}: it was made for another target")
             if name in self.drafts:
                 raise ValueError(f"draft {name!r} given twice")
-            self.drafts[name] = (dm, ModelRunner(dm, compile=mode == "on"))
+            self.drafts[name] = (dm, ModelRunner(dm, compile=runner_compile))
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
-        self.runner = ModelRunner(self.model, compile=mode == "on")
+        self.runner = ModelRunner(self.model, compile=runner_compile)
         target, features = self.model, any(is_feature_draft(m) for m, _ in self.drafts.values())
 
         def warm(runner: ModelRunner) -> None:

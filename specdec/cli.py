@@ -26,12 +26,13 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "activations and sums, never quantized: the model's exact weights, 2.8x fewer bytes per step "
                         "for smollm2); dense: transformers' dequantized weights; auto (default): gguf for a model "
                         "from a GGUF file (smollm2, gemma3-270m, a .gguf path)")
-    p.add_argument("--compile", nargs="?", const="on", default=None, choices=["auto", "on", "off"],
+    p.add_argument("--compile", nargs="?", const="on", default=None, choices=["auto", "on", "off", "saved"],
                    help="run specdec's decode forwards (target and drafts) through torch.compile, which fuses the "
                         "model's small ops (about 1.3x faster on a CPU; hf baselines stay eager). Compiling takes "
-                        "minutes the first time per model, dtype and machine, about a minute from the cache after. "
-                        "bench: auto (default, $SPECDEC_COMPILE) compiles before timing; generate: off by default "
-                        "(one generation does not pay for compiling); --compile alone means on")
+                        "minutes the first time per model, dtype and machine; the graphs are saved and load in seconds "
+                        "after. bench: auto (default, $SPECDEC_COMPILE) compiles before timing; generate: saved by "
+                        "default (the saved graphs where a bench, a demo or a compiled run left them, else eager: one "
+                        "generation does not pay for compiling); --compile alone means on")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -89,7 +90,7 @@ def _decoder(args):
 
     compile = args.compile
     if compile is None and args.command == "generate":
-        compile = "off"
+        compile = "saved"
     dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype,
                       linear=args.linear, corpus=None if args.corpus == "none" else args.corpus, compile=compile,
                       weights=args.weights)

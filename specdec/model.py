@@ -113,9 +113,10 @@ class TreeAttentionMeta:
     positions; key_positions: ``[B,N]`` every pending node's position, or None when ``N == T`` (a tree
     run in one forward: they are ``positions``);
     aligned: every row's committed length equals ``prefix_len`` (known on the host);
-    attention: ``"kernel"`` or ``"sdpa"`` (see the module docstring); native: the compiled kernel when
-    :func:`specdec.kernels.tree_attention` would dispatch to it, resolved once per forward so that the
-    layers call it directly (the wrapper's checks and dispatch cost ~40 us per layer at batch 1).
+    attention: ``"kernel"`` or ``"sdpa"`` (see the module docstring); native: :func:`specdec.kernels.tree_attention`
+    would dispatch to the compiled kernel, resolved once per forward so that the layers call it directly (the
+    wrapper's checks and dispatch cost ~40 us per layer at batch 1). A flag, not the op itself: a compiled
+    forward's saved guards must pickle (:mod:`specdec.precompile`).
     Dense masks (``"sdpa"``, and wide trees' route on ``"kernel"``) are built once per forward and per window
     size, then shared by all layers.
     """
@@ -126,7 +127,7 @@ class TreeAttentionMeta:
     positions: torch.Tensor
     aligned: bool = False
     attention: str = "sdpa"
-    native: Callable | None = None  # torch.ops.specdec.tree_attention where the dispatcher picks it
+    native: bool = False  # call torch.ops.specdec.tree_attention directly (the dispatcher would pick it)
     key_positions: torch.Tensor | None = None
     _dense: dict = field(default_factory=dict)
 
@@ -198,7 +199,7 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
         p = meta.prefix_len
         # The whole cache view serves as the prefix: keys at or past cache_lens (<= p) are never visible.
         # The pending region [p, p + N) is the tree operand; the queries are its last T nodes.
-        attend = meta.native or kernels.tree_attention
+        attend = torch.ops.specdec.tree_attention if meta.native else kernels.tree_attention
         out = attend(query, key, value, meta.cache_lens, key[:, :, p:], value[:, :, p:], meta.tree_mask, scaling,
                      meta.pending_positions if window is not None else None, window)
         return out.transpose(1, 2).contiguous(), None
@@ -309,7 +310,7 @@ class ModelRunner:
     docstring): those of the last :meth:`forward_tree`, or of a tree grown with :meth:`forward_pending`.
     """
 
-    def __init__(self, model: PreTrainedModel, attention: str | None = None, compile: bool = False,
+    def __init__(self, model: PreTrainedModel, attention: str | None = None, compile: bool | str = False,
                  compile_options: dict | None = None):
         """attention: ``"kernel"`` or ``"sdpa"`` (default: :func:`default_attention`).
 
@@ -317,7 +318,9 @@ class ModelRunner:
         the model, which fuses transformers' small ops (norms, rotary, activations, residuals) and drops the
         per-module Python between them; the prompt, whose products are large, stays eager. The model object
         itself is not changed: other callers (``model.generate``) stay eager. The first forward of each kind
-        (one token, a chain, a tree) compiles; :meth:`warm_up` does that up front.
+        (one token, a chain, a tree) compiles; :meth:`warm_up` does that up front. ``"saved"``: run the graphs
+        an earlier process compiled and saved (:mod:`specdec.precompile`), the other forwards eagerly; nothing
+        compiles and :meth:`warm_up` does nothing.
 
         compile_options: inductor's options for it (default :func:`specdec.compile_passes.compile_options`: the
         quantized products that share an input run as one call; ``{}`` for none, an A/B run's other arm).
@@ -348,7 +351,14 @@ class ModelRunner:
             from specdec.compile_passes import compile_options as default_options
 
             options = default_options() if compile_options is None else compile_options
-            self._compiled = torch.compile(model.forward, dynamic=True, options=options)
+            from specdec import precompile
+
+            if compile == "saved":  # only what an earlier process saved; other forwards run eagerly
+                self._compiled = precompile.PrecompiledForward(model, options, capture=False)
+            elif precompile.enabled():  # graphs saved by an earlier process load in seconds
+                self._compiled = precompile.PrecompiledForward(model, options)
+            else:
+                self._compiled = torch.compile(model.forward, dynamic=True, options=options)
         self.compiled_calls = 0
         self.reset(1, 0)
 
@@ -397,7 +407,7 @@ class ModelRunner:
 
         A failure raises a ``RuntimeError`` that names the model, chained to the compile's own exception.
         """
-        if self._compiled is None:
+        if self._compiled is None or not getattr(self._compiled, "capture", True):
             return
         try:
             for hidden in (return_hidden,) if isinstance(return_hidden, bool) else return_hidden:
@@ -488,9 +498,7 @@ class ModelRunner:
         if (attention == "kernel" and WIDE_TREE_SDPA is not None and t >= WIDE_TREE_SDPA and _prompt_sdpa(self.device.type)
                 and not (self.cache.write_pos + self.cache.pending == 0 and tree_mask is None)):
             attention = "sdpa"  # a wide tree or chain on an AVX-512 CPU (prompts on an empty cache excepted)
-        native = None
-        if attention == "kernel" and kernels.choose("tree_attention", self.device, None, ("cpu",), triton=True) == "native":
-            native = kernels.native_ops().tree_attention
+        native = attention == "kernel" and kernels.choose("tree_attention", self.device, None, ("cpu",), triton=True) == "native"
         meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions, self.batch_size == 1,
                                  attention, native, key_positions)
         out = forward(

@@ -10,6 +10,8 @@ graphs takes minutes there (on one core of the EPYC, SmolLM2-135M bf16: 218 s wi
   Inductor's cache lives under ``$SPECDEC_CACHE/inductor`` (unless ``TORCHINDUCTOR_CACHE_DIR`` is set),
   so a later process compiles from it, once per model, dtype and machine.
 - ``off``: eager only.
+- ``saved``: the graphs an earlier process compiled and saved (:mod:`specdec.precompile`), loaded in seconds;
+  forwards they do not cover run eagerly, and nothing compiles (``specdec generate``'s default).
 
 The default comes from ``$SPECDEC_COMPILE`` (``auto`` if unset). The compiled and eager paths give
 the same tokens in fp32 (the identity tests run both); in bf16 they may round differently.
@@ -21,7 +23,7 @@ import threading
 import warnings
 from pathlib import Path
 
-MODES = ("auto", "on", "off")
+MODES = ("auto", "on", "off", "saved")
 
 
 def compile_mode(value: bool | str | None) -> str:

@@ -1,0 +1,129 @@
+"""Compiled forwards saved to disk (:mod:`specdec.precompile`): a later decoder loads them instead of tracing and
+compiling, reads its own weights through them, and decodes exactly as transformers does."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.aot_compile
+
+from specdec import precompile
+from specdec.api import SpecDecoder, hf_generate
+from specdec.verify import SamplingConfig
+from tests.conftest import tiny_model
+from tests.test_greedy_lossless import perturbed, prompt_of
+from tests.test_ngrammys import REPETITIVE
+
+GREEDY = SamplingConfig()
+METHODS = (("ar", {}), ("pld", {"govern": 0}), ("ngrammys", {"k": 5, "w": 4, "schedule": "static", "govern": 0}))
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("traced or compiled although saved graphs cover the call")
+
+
+def _check_decodes(dec: SpecDecoder, model) -> None:
+    for prompt in (prompt_of(30, seed=1), REPETITIVE):
+        for method, opts in METHODS:
+            out = dec.generate_ids([prompt], method, 24, GREEDY, **opts)
+            assert out.tokens[0] == hf_generate(model, prompt, 24, GREEDY), (method, prompt[:4])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``(model, directory, cache)``: a tiny model whose warm-up graphs a first decoder compiled and saved in
+    ``directory`` under ``cache``, a ``$SPECDEC_CACHE`` of this module's own that each test sets again."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDEC_CACHE", str(cache))
+        mp.delenv("SPECDEC_PRECOMPILE", raising=False)
+        torch._dynamo.reset()
+        model = tiny_model("llama")
+        first = SpecDecoder(copy.deepcopy(model), compile=True)
+        forward = first.runner._compiled
+        assert isinstance(forward, precompile.PrecompiledForward)
+        assert forward._failed is None and forward.loaded == 0 and forward.saved >= 3
+        assert forward.saved == len(list(forward.directory.glob("*.graph")))
+        _check_decodes(first, model)
+        torch._dynamo.reset()
+    yield model, forward.directory, cache
+    torch._dynamo.reset()
+
+
+def test_saved_graphs_load_without_compiling_and_decode_exactly(saved, monkeypatch):
+    model, directory, cache = saved
+    monkeypatch.setenv("SPECDEC_CACHE", str(cache))
+    monkeypatch.setattr(torch._dynamo.aot_compile, "aot_compile_fullgraph", _refuse)
+    monkeypatch.setattr(torch, "compile", _refuse)
+    dec = SpecDecoder(copy.deepcopy(model), compile=True)
+    forward = dec.runner._compiled
+    assert forward.directory == directory and forward.loaded == len(list(directory.glob("*.graph")))
+    assert forward.saved == 0
+    calls = dec.runner.compiled_calls
+    _check_decodes(dec, model)
+    assert dec.runner.compiled_calls > calls
+
+
+def test_saved_graphs_read_the_loading_models_weights(saved, monkeypatch):
+    """Weights are inputs of a saved graph, not constants in it: a model of the same structure with other
+    weights loads the same graphs and decodes as itself."""
+    model, directory, cache = saved
+    monkeypatch.setenv("SPECDEC_CACHE", str(cache))
+    other = perturbed(model, 0.6)
+    assert precompile.fingerprint(other) == precompile.fingerprint(model)
+    monkeypatch.setattr(torch._dynamo.aot_compile, "aot_compile_fullgraph", _refuse)
+    dec = SpecDecoder(copy.deepcopy(other), compile=True)
+    assert dec.runner._compiled.loaded > 0
+    _check_decodes(dec, other)
+
+
+def test_fingerprint_separates_models_that_cannot_share_graphs():
+    llama = tiny_model("llama")
+    assert precompile.fingerprint(copy.deepcopy(llama)) == precompile.fingerprint(llama)
+    assert precompile.fingerprint(tiny_model("qwen2")) != precompile.fingerprint(llama)
+    assert precompile.fingerprint(copy.deepcopy(llama).to(torch.bfloat16)) != precompile.fingerprint(llama)
+    wider = copy.deepcopy(tiny_model("llama"))
+    wider.model.layers = wider.model.layers[:1]
+    assert precompile.fingerprint(wider) != precompile.fingerprint(llama)
+
+
+def test_a_graph_that_cannot_be_saved_runs_through_torch_compile(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    torch._dynamo.reset()
+
+    def unsaveable(self, entry):
+        raise RuntimeError("cannot pickle")
+
+    monkeypatch.setattr(precompile.PrecompiledForward, "_save", unsaveable)
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match="ahead-of-time compile of LlamaForCausalLM failed"):
+        dec = SpecDecoder(copy.deepcopy(model), compile=True)
+    assert "cannot pickle" in dec.runner._compiled._failed
+    _check_decodes(dec, model)
+    torch._dynamo.reset()
+
+
+def test_off_switch(monkeypatch):
+    monkeypatch.setenv("SPECDEC_PRECOMPILE", "0")
+    from specdec.model import ModelRunner
+
+    runner = ModelRunner(tiny_model("llama"), compile=True)
+    assert not isinstance(runner._compiled, precompile.PrecompiledForward)
+
+
+def test_saved_mode_runs_saved_graphs_and_never_compiles(saved, monkeypatch, tmp_path):
+    """``compile="saved"`` (``specdec generate``'s default) runs what an earlier process saved; with nothing saved
+    it decodes eagerly; it never traces or compiles."""
+    model, directory, cache = saved
+    monkeypatch.setenv("SPECDEC_CACHE", str(cache))
+    monkeypatch.setattr(torch._dynamo.aot_compile, "aot_compile_fullgraph", _refuse)
+    monkeypatch.setattr(torch, "compile", _refuse)
+    dec = SpecDecoder(copy.deepcopy(model), compile="saved")
+    _check_decodes(dec, model)
+    assert dec.runner._compiled.loaded > 0 and dec.runner.compiled_calls > 0
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "empty"))
+    dec = SpecDecoder(copy.deepcopy(model), compile="saved")
+    _check_decodes(dec, model)
+    assert dec.runner._compiled.loaded == 0
