@@ -73,6 +73,7 @@ class QuantLinear(SkinnyLinear):
                               prepack=linear.prepack if skinny else False)
         new.qweight = qweight
         new.quant_max_rows = max_rows
+        new.dense = False  # on the instance, as dense_weights() sets it: a saved compiled graph guards its value
         new.native = has_native("quant_linear")  # loads specdec._C, which registers torch.ops.specdec.quant_*
         return new
 
@@ -195,8 +196,11 @@ def _codes_cache_path(model: nn.Module, gguf_path: Path) -> Path:
 
     st = gguf_path.stat()
     key = hashlib.sha256()
+    from importlib.metadata import version
+
     for part in (str(gguf_path.resolve()), str(st.st_size), str(st.st_mtime_ns), type(model).__name__,
-                 model.config.to_json_string(use_diff=False)):
+                 model.config.to_json_string(use_diff=False), version("transformers"),
+                 version("gguf")):
         key.update(part.encode() + b"\0")
     for source in (Path(__file__), Path(__file__).with_name("gguf_blocks.py")):
         key.update(source.read_bytes())
@@ -210,7 +214,8 @@ def cached_gguf_codes(model: nn.Module, gguf_path: str | Path) -> dict[str, Affi
     mapping its names with transformers' ``get_gguf_hf_weights_map`` (which builds llama.cpp's name table once
     per submodule) took 14.5 of the 17 s that SmolLM2-135M took to load on a 2-core Xeon; the cached codes load
     in a fraction of a second. A stale or foreign cache cannot change the model: :func:`apply_gguf_weights`
-    checks every weight against the dense one, and an unreadable file is decoded afresh."""
+    checks every weight against the dense one and decodes the file again on a mismatch; an unreadable entry is
+    decoded afresh too."""
     gguf_path = Path(gguf_path)
     path = _codes_cache_path(model, gguf_path)
     if path.is_file():
@@ -227,6 +232,15 @@ def cached_gguf_codes(model: nn.Module, gguf_path: str | Path) -> dict[str, Affi
     return found
 
 
+def _mismatch(model: nn.Module, found: dict[str, AffineCodes]) -> str | None:
+    """The first module whose decoded weight differs from its dense one (rounded to its dtype), else None."""
+    for name, codes in found.items():
+        w = model.get_submodule(name).weight
+        if not torch.equal(codes.dequantize().to(w.dtype).to(w.device), w.detach()):
+            return name
+    return None
+
+
 def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int | None = None,
                        check: bool = True) -> int:
     """Swap the linear layers of ``model`` (loaded from ``gguf_path``) for :class:`QuantLinear` over the file's
@@ -240,14 +254,14 @@ def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int | 
     """
     device = next(model.parameters()).device
     found = cached_gguf_codes(model, gguf_path)
+    if check and _mismatch(model, found) is not None:
+        _codes_cache_path(model, Path(gguf_path)).unlink(missing_ok=True)  # stale: decode the file itself
+        found = cached_gguf_codes(model, gguf_path)
     if not found:
         raise ValueError(f"{gguf_path} has no quantized linear weights for this model: use --weights dense")
-    if check:
-        for name, codes in found.items():
-            w = model.get_submodule(name).weight
-            if not torch.equal(codes.dequantize().to(w.dtype).to(w.device), w.detach()):
-                raise ValueError(f"GGUF weight for {name} ({codes.qtype}) differs from the model's dense weight: "
-                                 f"the model was not loaded from {gguf_path}")
+    if check and (name := _mismatch(model, found)) is not None:
+        raise ValueError(f"GGUF weight for {name} ({found[name].qtype}) differs from the model's dense weight: "
+                         f"the model was not loaded from {gguf_path}")
     for name, codes in found.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

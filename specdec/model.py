@@ -171,6 +171,11 @@ class TreeAttentionMeta:
         return self._dense[window]
 
 
+def _native_tree_attention():
+    """The compiled extension's tree attention (registered when ``specdec._C`` loaded: ``meta.native`` says so)."""
+    return torch.ops.specdec.tree_attention
+
+
 def specdec_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention function registered as ``"specdec"``: tree attention when a ``specdec_meta`` kwarg
     is present, transformers' SDPA path otherwise (so ``model.generate`` keeps working).
@@ -199,7 +204,7 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
         p = meta.prefix_len
         # The whole cache view serves as the prefix: keys at or past cache_lens (<= p) are never visible.
         # The pending region [p, p + N) is the tree operand; the queries are its last T nodes.
-        attend = torch.ops.specdec.tree_attention if meta.native else kernels.tree_attention
+        attend = _native_tree_attention() if meta.native else kernels.tree_attention
         out = attend(query, key, value, meta.cache_lens, key[:, :, p:], value[:, :, p:], meta.tree_mask, scaling,
                      meta.pending_positions if window is not None else None, window)
         return out.transpose(1, 2).contiguous(), None
@@ -339,6 +344,10 @@ class ModelRunner:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTIONS}")
         self._pool: dict = {}
         self._compiled = None
+        if compile == "saved":
+            from specdec import precompile
+
+            compile = "saved" if precompile.enabled() else False  # SPECDEC_PRECOMPILE=0: nothing is loaded
         if compile:  # reset() below brings the packed weights up to date
             # transformers' forward wrapper is one code object for every model class, so the graphs of the target
             # and of the drafts (each kind of forward, with and without hidden states, one row and several) share
@@ -383,6 +392,8 @@ class ModelRunner:
             from specdec.linear import refresh_packed
 
             refresh_packed(self.model)  # weights changed since the last generation are repacked here
+        if hasattr(self._compiled, "check_model"):
+            self._compiled.check_model()  # saved graphs do not guard the model's tensors: a changed model drops them
 
     def release(self) -> None:
         """Free the cache buffers held for reuse (the next :meth:`reset` allocates its own): what a throwaway

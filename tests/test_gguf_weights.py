@@ -59,7 +59,7 @@ def test_every_registered_method_matches_transformers_on_gguf_weights(arch, meth
 
 def test_decoded_codes_are_cached_per_file_and_model(tmp_path, monkeypatch):
     """The second load of a GGUF reads its codes from ``$SPECDEC_CACHE`` (no GGUF parsing) and builds the same
-    model; a changed file, or an unreadable cache entry, is decoded afresh."""
+    model; a changed file, an unreadable cache entry or one whose codes are not the model's is decoded afresh."""
     import copy
     import os
 
@@ -93,6 +93,15 @@ def test_decoded_codes_are_cached_per_file_and_model(tmp_path, monkeypatch):
     entry.write_bytes(b"truncated")
     apply_gguf_weights(copy.deepcopy(dense), path)
     assert torch.load(entry, weights_only=True)  # replaced by a whole entry
+
+    other_dense, other_path = tiny_gguf("llama", seed=1)  # an entry holding another model's codes: stale
+    apply_gguf_weights(copy.deepcopy(other_dense), other_path)
+    (other_entry,) = set((tmp_path / "gguf-codes").iterdir()) - {entry}
+    entry.write_bytes(other_entry.read_bytes())
+    third = copy.deepcopy(dense)
+    apply_gguf_weights(third, path)  # checked against the dense weights, found stale, decoded again
+    with torch.no_grad():
+        torch.testing.assert_close(third(ids).logits, first(ids).logits, rtol=0, atol=0)
 
 
 def test_blocks_of_another_model_are_refused():

@@ -89,6 +89,33 @@ def test_fingerprint_separates_models_that_cannot_share_graphs():
     assert precompile.fingerprint(wider) != precompile.fingerprint(llama)
 
 
+def test_a_changed_model_drops_its_graphs(saved, monkeypatch):
+    """Saved graphs guard the call's inputs, not the model's tensors: a model changed between generations (here its
+    LM head tied to the embedding) is fingerprinted again and gets graphs of its own, never the old ones."""
+    model, directory, cache = saved
+    monkeypatch.setenv("SPECDEC_CACHE", str(cache))
+    dec = SpecDecoder(copy.deepcopy(model), compile=True)
+    forward = dec.runner._compiled
+    assert forward.directory == directory and forward.loaded > 0
+    dec.model.lm_head.weight = dec.model.model.embed_tokens.weight
+    tied = copy.deepcopy(model)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    prompt = prompt_of(30, seed=1)
+    out = dec.generate_ids([prompt], "ar", 16, GREEDY)
+    assert forward.directory != directory and forward.saved > 0
+    assert out.tokens[0] == hf_generate(tied, prompt, 16, GREEDY)
+
+
+def test_fingerprint_sees_ties_and_compile_options():
+    llama = tiny_model("llama")
+    untied = copy.deepcopy(llama)
+    untied.lm_head.weight = torch.nn.Parameter(untied.model.embed_tokens.weight.detach().clone())
+    tied = copy.deepcopy(llama)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    assert precompile.fingerprint(untied) != precompile.fingerprint(tied)
+    assert precompile.fingerprint(llama, {}) != precompile.fingerprint(llama, {"size_asserts": True})
+
+
 def test_a_graph_that_cannot_be_saved_runs_through_torch_compile(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     torch._dynamo.reset()
@@ -115,15 +142,18 @@ def test_off_switch(monkeypatch):
 
 def test_saved_mode_runs_saved_graphs_and_never_compiles(saved, monkeypatch, tmp_path):
     """``compile="saved"`` (``specdec generate``'s default) runs what an earlier process saved; with nothing saved
-    it decodes eagerly; it never traces or compiles."""
+    it decodes eagerly; it never traces or compiles; ``SPECDEC_PRECOMPILE=0`` turns it off."""
     model, directory, cache = saved
     monkeypatch.setenv("SPECDEC_CACHE", str(cache))
     monkeypatch.setattr(torch._dynamo.aot_compile, "aot_compile_fullgraph", _refuse)
     monkeypatch.setattr(torch, "compile", _refuse)
     dec = SpecDecoder(copy.deepcopy(model), compile="saved")
     _check_decodes(dec, model)
-    assert dec.runner._compiled.loaded > 0 and dec.runner.compiled_calls > 0
+    assert dec.runner._compiled.loaded > 0 and dec.runner._compiled.hits > 0
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "empty"))
     dec = SpecDecoder(copy.deepcopy(model), compile="saved")
     _check_decodes(dec, model)
-    assert dec.runner._compiled.loaded == 0
+    assert dec.runner._compiled.loaded == 0 and dec.runner._compiled.hits == 0
+    monkeypatch.setenv("SPECDEC_CACHE", str(cache))
+    monkeypatch.setenv("SPECDEC_PRECOMPILE", "0")
+    assert not SpecDecoder(copy.deepcopy(model), compile="saved").runner.compiled
