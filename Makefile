@@ -57,8 +57,8 @@ $(LLAMA_STAMP):
 	$(LLAMA_VENV)/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
 	touch $(LLAMA_STAMP)
 
-# The bench compiles specdec's decode graphs before timing (minutes the first time on a CPU, then from
-# the cache under $SPECDEC_CACHE/inductor): the first demo also warms that cache.
+# The bench compiles specdec's decode graphs before timing (minutes the first time on a CPU) and saves them
+# under $SPECDEC_CACHE/precompiled: later demos, benches and `specdec generate` load them in seconds.
 demo: setup
 	$(BIN)/specdec bench --model smollm2 --prompts specdec/data/demo_prompts.jsonl \
 		--methods hf,hf-pld,ar,pld,ngrammys,sd:draft_length=1 --draft smollm2-draft --max-new-tokens 64 --dtype fp32
