@@ -38,7 +38,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from specdec import kernels
+from specdec import kernels, precompile
 from specdec.kernels.reference import tree_attention_mask
 from specdec.tree import DraftTree
 
@@ -344,10 +344,8 @@ class ModelRunner:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTIONS}")
         self._pool: dict = {}
         self._compiled = None
-        if compile == "saved":
-            from specdec import precompile
-
-            compile = "saved" if precompile.enabled() else False  # SPECDEC_PRECOMPILE=0: nothing is loaded
+        if compile == "saved" and not precompile.enabled():
+            compile = False  # SPECDEC_PRECOMPILE=0: nothing is loaded
         if compile:  # reset() below brings the packed weights up to date
             # transformers' forward wrapper is one code object for every model class, so the graphs of the target
             # and of the drafts (each kind of forward, with and without hidden states, one row and several) share
@@ -360,8 +358,6 @@ class ModelRunner:
             from specdec.compile_passes import compile_options as default_options
 
             options = default_options() if compile_options is None else compile_options
-            from specdec import precompile
-
             if compile == "saved":  # only what an earlier process saved; other forwards run eagerly
                 self._compiled = precompile.PrecompiledForward(model, options, capture=False)
             elif precompile.enabled():  # graphs saved by an earlier process load in seconds
