@@ -169,7 +169,11 @@ def short_draft(positions: int = 32):
     return GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("method,opts", [("sd", {"draft_length": 3}), ("gsd", {}), ("ouroboros", {})])
+# Static schedules without the governor: whether a cost planner or the governor finds a draft worth its measured
+# time on a tiny model depends on the machine's timings, and this test checks positions, not costs.
+@pytest.mark.parametrize("method,opts", [("sd", {"draft_length": 3, "govern": 0}),
+                                         ("gsd", {"schedule": "static", "govern": 0}),
+                                         ("ouroboros", {"schedule": "static", "govern": 0})])
 def test_draft_shorter_context_than_target_stops_drafting(method, opts):
     """Past the draft's own max_position_embeddings the draft drafts nothing and decoding goes on as ar, with the
     target's own tokens (a GPT-2 draft fed a position past its table would raise an IndexError)."""
