@@ -12,9 +12,11 @@ Saved graphs live under ``$SPECDEC_CACHE/precompiled/<fingerprint>``. The finger
 may have specialised on outside its inputs: torch, transformers and specdec versions, the CPU's vector ISA, and
 the model's structure (every module's class, plain attributes, parameter shapes and dtypes). That is why the
 saved guards keep only those on the call's own inputs (token ids, positions, masks, the cache's lengths, the
-flags of :class:`specdec.model.TreeAttentionMeta`) and drop dynamo's guards on the model object: they cannot be
-pickled (closures, classes, bound ops), and the fingerprint already pins what they check. Weights are read from
-the model at each call, never baked in.
+flags of :class:`specdec.model.TreeAttentionMeta`) and on the flags that change between calls (``training``,
+``dense``, private ones such as a draft's reduced-vocabulary mode), and drop dynamo's other guards on the model
+object: they cannot be pickled (closures, classes, bound ops), or the fingerprint already pins what they check
+(a submodule's ``layer_idx``, checked on every call, for every layer). Shape guards are compiled to C++. Weights
+are read from the model at each call, never baked in.
 
 ``SPECDEC_PRECOMPILE=0`` turns it off (compiled runners then compile in process, as before). A graph that cannot
 be captured whole or saved is reported once and left to ``torch.compile``'s own path.
@@ -22,11 +24,14 @@ be captured whole or saved is reported once and left to ``torch.compile``'s own 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib
 import os
 import pickle
+import re
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -89,12 +94,24 @@ def fingerprint(model: nn.Module, options: dict | None = None) -> str:
     storage: dict[int, str] = {}
     for name, module in model.named_modules():
         attrs = sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and _plain(v))
+        attrs += sorted((k, type(v).__qualname__, _plain_fields(v)) for k, v in vars(module).items()
+                        if not k.startswith("_") and _is_record(v))
         tensors = []
         for n, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             tied = storage.setdefault(t.data_ptr(), f"{name}.{n}") if t.numel() else None  # a graph traced with
             tensors.append((n, tuple(t.shape), str(t.dtype), tied))  # tied weights reads one tensor for both
         add(name, type(module).__module__, type(module).__qualname__, attrs, tensors)
     return key.hexdigest()[:24]
+
+
+def _is_record(value: Any) -> bool:
+    """A dataclass instance a module holds (a :class:`specdec.kernels.quant.QuantWeight`)."""
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _plain_fields(record: Any) -> list:
+    return sorted((f.name, getattr(record, f.name)) for f in dataclasses.fields(record)
+                  if _plain(getattr(record, f.name)))
 
 
 def _cpu_flags() -> str:
@@ -125,6 +142,7 @@ def input_guard_filter(model: nn.Module):
     from torch._dynamo.guards import CheckFunctionManager
 
     inputs = set(inspect.signature(type(model).forward).parameters) - {"self"}
+    pinned = functools.partial(_pinned, model)
     unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES) | {"BUILTIN_MATCH"}
 
     def keep_input_guards(entries) -> list[bool]:
@@ -136,7 +154,9 @@ def input_guard_filter(model: nn.Module):
             root = _root(e.name)
             ok = not e.is_global and root in inputs and e.guard_type not in unsaved
             if root == "self" and e.guard_type in ("EQUALS_MATCH", "CONSTANT_MATCH") and e.has_value and _plain(e.value):
-                ok = True  # a flag the model's forward branches on (a draft's reduced-vocabulary mode): kept
+                # A flag the forward branches on (a draft's reduced-vocabulary mode, dense_weights()): kept; a
+                # submodule's constant (layer_idx, head_dim, a QuantWeight's n) is pinned by the fingerprint.
+                ok = not pinned(e.name)
             if "past_key_values" in e.name and e.guard_type == "TENSOR_MATCH":
                 ok = False
             keep.append(ok)
@@ -145,6 +165,34 @@ def input_guard_filter(model: nn.Module):
         return keep
 
     return keep_input_guards
+
+
+# Public attributes of submodules that change between calls, never pinned: eval()/train() and dense_weights().
+RUNTIME_FLAGS = frozenset({"training", "dense"})
+_SUBMODULE_ATTR = re.compile(r"^self((?:\._modules\['[^']+'\])+)\.([A-Za-z]\w*)(?:\.([A-Za-z]\w*))?$")
+
+
+def _pinned(model: nn.Module, name: str) -> bool:
+    """Whether the guarded value ``name`` (``self._modules['model']...head_dim``) is a submodule's public plain
+    attribute, or a public field of a dataclass it holds, that :func:`fingerprint` pins: its guard is then dropped.
+    A SmolLM2 graph kept ~3,700 of them, 120 a layer, and checking them took 2 ms of every call (they walk the
+    whole module tree). An attribute that changes between calls must be private or in :data:`RUNTIME_FLAGS`."""
+    match = _SUBMODULE_ATTR.match(name)
+    if match is None:
+        return False  # the model's own attributes, its config, private names, subscripts: kept
+    path, attr, field = match.groups()
+    if attr in RUNTIME_FLAGS:
+        return False
+    try:
+        module = model.get_submodule(".".join(re.findall(r"\['([^']+)'\]", path)))
+    except AttributeError:
+        return False
+    if attr not in vars(module):
+        return False  # a class attribute: the fingerprint reads only the instance's
+    value = vars(module)[attr]
+    if field is None:
+        return _plain(value)
+    return _is_record(value) and field in {f.name for f in dataclasses.fields(value)} and _plain(getattr(value, field))
 
 
 def _external_data(model: nn.Module) -> dict[str, object]:
@@ -197,6 +245,7 @@ class PrecompiledForward:
         self.loaded = 0  # graphs read from disk
         self.saved = 0  # graphs compiled and written in this process
         self.hits = 0  # calls that ran a saved or captured graph
+        self.guard_seconds = 0.0  # spent checking guards in those calls (dynamo's, run before every graph)
         self._fingerprint: str | None = None
         self._seen_state: tuple | None = None
 
@@ -247,8 +296,10 @@ class PrecompiledForward:
     def __call__(self, **kwargs):
         if not self._loaded:
             self._load()
+        start = time.perf_counter()
         for i, entry in enumerate(self._entries):
             if entry.guard_check(self.model, **kwargs):
+                self.guard_seconds += time.perf_counter() - start
                 if i:  # the last hit is checked first: a decode loop repeats one kind of forward
                     self._entries.insert(0, self._entries.pop(i))
                 self.hits += 1
@@ -276,7 +327,9 @@ class PrecompiledForward:
             self._compiler = torch.compile(self.model.forward, dynamic=True, fullgraph=True, options=options)
         # Floats (the attention scale) are constants of the model, pinned by the fingerprint; unspecialised, a
         # whole-graph capture restarts when inductor turns them into tensors, which AOT capture cannot do.
-        with torch._dynamo.config.patch(specialize_float=True):
+        # Shape guards as C++: as Python (dynamo's default) a SmolLM2 graph's ~250 relations over the KV buffers'
+        # sizes took 2 ms to check, on every call.
+        with torch._dynamo.config.patch(specialize_float=True, enable_cpp_symbolic_shape_guards=True):
             entry = self._compiler.aot_compile(((), kwargs))
         self._save(entry)
         return entry

@@ -157,3 +157,45 @@ def test_saved_mode_runs_saved_graphs_and_never_compiles(saved, monkeypatch, tmp
     monkeypatch.setenv("SPECDEC_CACHE", str(cache))
     monkeypatch.setenv("SPECDEC_PRECOMPILE", "0")
     assert not SpecDecoder(copy.deepcopy(model), compile="saved").runner.compiled
+
+
+def test_saved_graphs_drop_the_submodules_pinned_constants_and_keep_runtime_flags(saved, monkeypatch):
+    """A submodule's plain attributes (layer_idx, head_dim) are pinned by the fingerprint, so their guards are not
+    saved (checked on every call, they cost 2 ms of a SmolLM2 step); flags that change between calls (training)
+    keep theirs, as do the call's inputs."""
+    from torch._dynamo.package import load_guards_state
+
+    model, directory, cache = saved
+    monkeypatch.setenv("SPECDEC_CACHE", str(cache))
+    forward = SpecDecoder(copy.deepcopy(model), compile=True).runner._compiled
+    forward._load()
+    assert forward._entries
+    names = [g.name for e in forward._entries for g in load_guards_state(e._artifacts.guards_state).output_graph._guards]
+    assert not [n for n in names if n.endswith((".layer_idx", ".head_dim", ".in_features"))]
+    assert [n for n in names if "._modules[" in n and n.endswith(".training")]
+    assert [n for n in names if "input_ids" in n]
+
+
+def test_pinned_attributes_follow_the_fingerprint():
+    """Exactly what :func:`precompile.fingerprint` hashes is dropped from the guards: a submodule's public plain
+    instance attribute or a public field of a dataclass it holds; not runtime flags, private names, the model's
+    own attributes or anything that is not plain."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Record:
+        n: int
+        data: torch.Tensor | None = None
+
+    llama = tiny_model("llama")
+    attn = "self._modules['model']._modules['layers']._modules['0']._modules['self_attn']"
+    proj = attn + "._modules['q_proj']"
+    llama.model.layers[0].self_attn.q_proj.record = Record(4, torch.zeros(1))
+    pinned = lambda name: precompile._pinned(llama, name)  # noqa: E731
+    assert pinned(attn + ".layer_idx") and pinned(attn + ".head_dim") and pinned(proj + ".record.n")
+    assert not pinned(attn + ".training") and not pinned(proj + ".dense") and not pinned(attn + "._private")
+    assert not pinned(proj + ".record.data")
+    assert not pinned("self.config") and not pinned("self._reduced") and not pinned(attn + ".missing")
+    before = precompile.fingerprint(llama)
+    llama.model.layers[0].self_attn.q_proj.record.n = 5
+    assert precompile.fingerprint(llama) != before
