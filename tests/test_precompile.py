@@ -161,8 +161,8 @@ def test_saved_mode_runs_saved_graphs_and_never_compiles(saved, monkeypatch, tmp
 
 def test_saved_graphs_drop_the_submodules_pinned_constants_and_keep_runtime_flags(saved, monkeypatch):
     """A submodule's plain attributes (layer_idx, head_dim) are pinned by the fingerprint, so their guards are not
-    saved (checked on every call, they cost 2 ms of a SmolLM2 step); flags that change between calls (training)
-    keep theirs, as do the call's inputs."""
+    saved (checked before every call, they took 0.65 of SmolLM2's 2.2 ms of guards); flags that change between
+    calls (training) keep theirs, as do the call's inputs."""
     from torch._dynamo.package import load_guards_state
 
     model, directory, cache = saved
