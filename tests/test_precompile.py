@@ -170,7 +170,8 @@ def test_saved_graphs_drop_the_submodules_pinned_constants_and_keep_runtime_flag
     forward = SpecDecoder(copy.deepcopy(model), compile=True).runner._compiled
     forward._load()
     assert forward._entries
-    names = [g.name for e in forward._entries for g in load_guards_state(e._artifacts.guards_state).output_graph._guards]
+    names = [g.name for e in forward._entries
+             for g in load_guards_state(e._artifacts.guards_state).output_graph._guards]
     assert not [n for n in names if n.endswith((".layer_idx", ".head_dim", ".in_features"))]
     assert [n for n in names if "._modules[" in n and n.endswith(".training")]
     assert [n for n in names if "input_ids" in n]
