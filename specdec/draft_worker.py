@@ -12,7 +12,7 @@ Backends:
   process backend's outputs are checked against it; tests use it for speed.
 - :class:`ProcessDraft` drafts in a worker process pinned to a core of its own with one intra-op thread. On a
   CPU this is the backend that overlaps: Python threads share one interpreter lock and torch's intra-op
-  thread count is global to a process (``bench/pearl_overlap.py`` measures both). Token ids and the draft's
+  thread count is global to a process (``bench/studies/pearl_overlap.py`` measures both). Token ids and the draft's
   proposal distributions travel through shared memory, control through a pipe. The worker starts once per
   backend object and stops with :meth:`ProcessDraft.close`, when the object is collected, when the parent
   exits (it is a daemon), dies (the worker watches its parent's pid) or closes the pipe; a worker that does not

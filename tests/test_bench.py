@@ -102,13 +102,13 @@ def test_cuda_kernel_bench_cases_build_and_agree_on_the_host(monkeypatch):
 
 
 def test_chain_choice_draft_probs_match_separate_forwards():
-    """bench.chain_choice's draft rule scores every draft in one masked forward over the draft model's cache:
+    """bench.studies.chain_choice's draft rule scores every draft in one masked forward over the draft model's cache:
     each draft's probabilities equal a plain forward over the sequence followed by that draft alone, and the
     cache afterwards holds the sequence and nothing of the drafts."""
     import torch
     from transformers import DynamicCache
 
-    from bench.chain_choice import draft_probs, expected_accepted
+    from bench.studies.chain_choice import draft_probs, expected_accepted
 
     model = tiny_model.__wrapped__("llama")  # a fresh one: the cached model may carry another test's attention
     seq = [3, 17, 42, 5, 17, 42, 9, 11]
@@ -129,9 +129,9 @@ def test_chain_choice_draft_probs_match_separate_forwards():
 
 
 def test_chain_choice_longest_match_and_table_walk():
-    """bench.chain_choice's feature table: the longest earlier suffix match (most recent among equals) and the
+    """bench.studies.chain_choice's feature table: the longest earlier suffix match (most recent among equals) and the
     walk that verifies, at each call, the draft its table rates highest and jumps past what that draft got."""
-    from bench.chain_choice import draft_features, fit_table, longest_match, walk_table
+    from bench.studies.chain_choice import draft_features, fit_table, longest_match, walk_table
 
     assert longest_match([1, 2, 3, 9, 1, 2, 3], 2) == ([9, 1], 3)
     assert longest_match([5, 3, 7, 4, 3], 3) == ([7, 4, 3], 1)  # the only earlier 3

@@ -252,7 +252,7 @@ class NGrammysProposer(_ChainProposer):
     path with the most expected accepted tokens is the chain, by per-node estimates
     (:class:`specdec.policies.NodeAcceptance`: source, rank, depth and how many drafts share the node) learned
     from vLLM's verification of the chains. On the 96 dev replies this chain gets 2.26 tokens per call
-    against 2.14 for the first draft alone (``python -m bench.chain_choice``); ``slots = 1`` drafts that one.
+    against 2.14 for the first draft alone (``python -m bench.studies.chain_choice``); ``slots = 1`` drafts that one.
     The chain is cut by cost with the same per-node estimates. The signal is the source of the draft the chain
     follows (with ``history``, split by the outcome of the request's last draft).
 

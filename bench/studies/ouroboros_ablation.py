@@ -7,10 +7,10 @@ Then the defaults (one chain token, phrases after the root and every chain token
 the pool, cost planning, no lookahead window: each chosen by measurement), cold and warm. Every row is
 measured in the same run as ``hf``, ``ar``, the best static ``sd`` and ``ngrammys``::
 
-    python -m bench.ouroboros_ablation --shard 0/2 --json /tmp/abl_0.json & \\
-    python -m bench.ouroboros_ablation --shard 1/2 --json /tmp/abl_1.json; wait
+    python -m bench.studies.ouroboros_ablation --shard 0/2 --json /tmp/abl_0.json & \\
+    python -m bench.studies.ouroboros_ablation --shard 1/2 --json /tmp/abl_1.json; wait
     python -m bench.report /tmp/abl_0.json /tmp/abl_1.json --out bench/results/ouroboros_bf16_96p.json
-    python -m bench.ouroboros_ablation --from-json bench/results/ouroboros_bf16_96p.json
+    python -m bench.studies.ouroboros_ablation --from-json bench/results/ouroboros_bf16_96p.json
 
 Per row: speed over ``hf``, ``ar`` and ``sd``; tokens per target call; draft forwards per target call; pool
 hit rate (lengthening lookups that found a phrase); P(A = gamma) (steps whose whole chain was accepted);
@@ -18,7 +18,7 @@ phrase tokens accepted per appended phrase node.
 """
 from __future__ import annotations
 
-from bench.grid_common import grid_parser, load_or_run
+from bench.studies.grid_common import grid_parser, load_or_run
 
 SD = "sd:draft_length=1"  # the best static sd with this draft
 # The paper's ablation at one draft length for every row (3: the walk and the phrases after d_gamma both get

@@ -1,6 +1,6 @@
 """Tokens per verification call of chain-choice rules, replayed on the target's greedy replies (no target runs).
 
-    OMP_NUM_THREADS=1 python -m bench.chain_choice --replies bench/dev_replies/smollm2-bf16 --k 8
+    OMP_NUM_THREADS=1 python -m bench.studies.chain_choice --replies bench/dev_replies/smollm2-bf16 --k 8
 
 What caps a chain proposer inside vLLM at one request, where verification is nearly free and every rule drafts
 its whole chain: each greedy reply is decoded again by replaying it, one verification call at a time; a call

@@ -13,8 +13,8 @@ core 0 in four settings, which take turns for ``--rounds`` rounds (so drift hits
 and the draft's one-token step alone, beside the target and at two threads. Prints a table, writes JSON, and
 prints what the measured costs predict for PEARL and for sequential ``sd`` at each draft acceptance rate::
 
-    python -m bench.pearl_overlap --dtype bf16 --out bench/results/pearl_overlap_bf16.json
-    python -m bench.pearl_overlap --from-json bench/results/pearl_overlap_bf16.json
+    python -m bench.studies.pearl_overlap --dtype bf16 --out bench/results/pearl_overlap_bf16.json
+    python -m bench.studies.pearl_overlap --from-json bench/results/pearl_overlap_bf16.json
 """
 from __future__ import annotations
 

@@ -5,13 +5,13 @@ knob value, every other knob at the paper's default (k 4, tau 2, 0.2, 0.3), for 
 the paper's rules alone; ``cost``: ours), so every point is measured in the same run against the same
 baselines; then plots speedup over ``sd`` and tokens per call per knob::
 
-    python -m bench.gsd_grid --shard 0/2 --json /tmp/grid_0.json & python -m bench.gsd_grid --shard 1/2 --json /tmp/grid_1.json
+    python -m bench.studies.gsd_grid --shard 0/2 --json /tmp/grid_0.json & python -m bench.studies.gsd_grid --shard 1/2 --json /tmp/grid_1.json
     python -m bench.report /tmp/grid_0.json /tmp/grid_1.json --out bench/results/gsd_grid_bf16.json
-    python -m bench.gsd_grid --from-json bench/results/gsd_grid_bf16.json --png bench/gsd_grid_bf16.png
+    python -m bench.studies.gsd_grid --from-json bench/results/gsd_grid_bf16.json --png bench/studies/gsd_grid_bf16.png
 """
 from __future__ import annotations
 
-from bench.grid_common import grid_parser, load_or_run, save_figure
+from bench.studies.grid_common import grid_parser, load_or_run, save_figure
 from specdec.methods import parse_label
 
 KNOBS = {"k": (1, 2, 4, 8), "tau": (0, 1, 2, 3), "prob_threshold": (0.0, 0.1, 0.2, 0.4),

@@ -1,6 +1,6 @@
 """Time one ``propose`` call of specdec's vLLM proposers, without vLLM: what a proposer adds to each vLLM step.
 
-    OMP_NUM_THREADS=1 python -m bench.proposer_time --prompts bench/dev_prompts.jsonl --limit 32
+    OMP_NUM_THREADS=1 python -m bench.studies.proposer_time --prompts bench/dev_prompts.jsonl --limit 32
 
 Each of the first ``--limit`` dev prompts (cut to ``--context`` tokens) is one request; every proposer is
 called ``--steps`` times per request, as vLLM calls it once per step, and the median and mean per call are

@@ -5,9 +5,9 @@ summarization prompts) generates ``--max-new-tokens`` with each of ``--methods``
 batch, on one thread, after a warm-up. ``--row-min`` sets :data:`specdec.model.ROW_PREFILL_MIN`: the default encodes ragged prompts row by
 row where that computes fewer positions; a huge value forces the single padded ``[B, longest]`` forward::
 
-    OMP_NUM_THREADS=1 python -m bench.batch_prefill --group 4                    # row by row where it pays
-    OMP_NUM_THREADS=1 python -m bench.batch_prefill --group 4 --row-min 1000000  # one padded forward
-    OMP_NUM_THREADS=1 python -m bench.batch_prefill --group 0 --max-new-tokens 24 --profile
+    OMP_NUM_THREADS=1 python -m bench.studies.batch_prefill --group 4                    # row by row where it pays
+    OMP_NUM_THREADS=1 python -m bench.studies.batch_prefill --group 4 --row-min 1000000  # one padded forward
+    OMP_NUM_THREADS=1 python -m bench.studies.batch_prefill --group 0 --max-new-tokens 24 --profile
 
 ``--linear packed --prompt-attention kernel`` runs the engine as it was before products over 8 rows went to
 torch's GEMM on AMX CPUs and prompts to causal SDPA (``--linear`` as in ``specdec bench``);

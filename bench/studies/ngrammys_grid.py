@@ -4,14 +4,14 @@ Runs one ``specdec bench`` with ``hf`` and one ``ngrammys:k=K:w=W`` label per gr
 cell is measured in the same run, interleaved, against the same ``hf`` runs; then plots the
 speedup and tokens-per-call heatmaps::
 
-    python -m bench.ngrammys_grid --dtype bf16 --per-category 1 --ks 1,2,4,6,10 --ws 2,4,6,8,10 \\
-        --json bench/results/issue4_grid_bf16.json --png bench/ngrammys_grid_bf16.png
+    python -m bench.studies.ngrammys_grid --dtype bf16 --per-category 1 --ks 1,2,4,6,10 --ws 2,4,6,8,10 \\
+        --json bench/results/issue4_grid_bf16.json --png bench/studies/ngrammys_grid_bf16.png
 
 ``--from-json FILE`` re-plots an earlier run without measuring.
 """
 from __future__ import annotations
 
-from bench.grid_common import grid_parser, load_or_run, save_figure
+from bench.studies.grid_common import grid_parser, load_or_run, save_figure
 from specdec.methods import parse_label
 
 
