@@ -311,10 +311,8 @@ class SpecDecoder:
         result = None
         for start, end in parts:
             rows = prompts[start:end]
-            # A batch's steps have their own costs: the policy's table and its stop rule's (DISCO's cost mode).
-            for cost in (getattr(policy, "cost", None), getattr(getattr(policy, "stop", None), "cost", None)):
-                if hasattr(cost, "ensure_batch") and not spec.own_loop:
-                    cost.ensure_batch(self.runner, len(rows))
+            if policy is not None:  # a batch's steps have their own costs
+                policy.prepare_batch(self.runner, len(rows))
             if governor is None and isinstance(opts, methods.GovernedOptions) and opts.govern:
                 governor = self.acceptance(("governor", method, opts), DraftGovernor)
             if drafter is None:

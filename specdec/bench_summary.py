@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import platform
 
+from specdec.counters import add_counters
+
 
 def cpu_name() -> str:
     """The CPU's model name and the matrix instructions that set its bf16 speed, e.g. ``AMD EPYC (AVX-512 BF16, no
@@ -27,13 +29,6 @@ def cpu_name() -> str:
     if "avx512_bf16" in flags:
         isa += " BF16"
     return f"{name} ({isa}, {'AMX' if 'amx_tile' in flags else 'no AMX'})"
-
-
-def add_counters(a, b):
-    """Nested dicts of numbers added key by key (drafter summaries of several generations)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return {k: add_counters(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
-    return a + b
 
 
 def _path(runs: list[dict]) -> str:

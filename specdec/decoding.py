@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafters.base import Budget, DecodeState, Drafter
-from specdec.bench_summary import add_counters
+from specdec.contracts import Budget, DecodeState, LengthPolicy
+from specdec.drafters.base import Drafter
+from specdec.counters import add_counters
 from specdec.model import ModelRunner
 from specdec.policies import DraftGovernor, StaticLength, cap_nodes, prune
 from specdec.tree import DraftTree
@@ -68,10 +69,14 @@ class DecodeResult:
     stats: DecodeStats
 
 
-def _start(target: ModelRunner, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
-           eos_token_ids: set[int] | None, margin: int) -> tuple[DecodeState, "_Outputs", Verifier]:
+# The pieces every decode loop is built from (this module's two loops and PEARL's): start_generation, Outputs,
+# timed, leave_batch.
+
+def start_generation(target: ModelRunner, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+                     eos_token_ids: set[int] | None, margin: int) -> tuple[DecodeState, "Outputs", Verifier]:
     """Check the inputs, lay the prompts into a decode state and reset the runner for them (with
-    ``margin`` cache positions past the longest sequence for a step's draft tree)."""
+    ``margin`` cache positions past the longest sequence for a step's draft tree). Returns the state, the
+    per-row outputs and the verifier for ``sampling``."""
     if not prompts:
         raise ValueError("no prompts given")
     if any(len(p) == 0 for p in prompts):
@@ -84,11 +89,11 @@ def _start(target: ModelRunner, prompts: list[list[int]], max_new_tokens: int, s
                          f"the model has {target.max_positions}")
     state = DecodeState.of(prompts, longest + max_new_tokens + 1, target.device)
     target.reset(len(prompts), state.seq.shape[1] + margin)
-    return state, _Outputs(len(prompts), max_new_tokens, eos_token_ids or set()), Verifier(sampling, target.device)
+    return state, Outputs(len(prompts), max_new_tokens, eos_token_ids or set()), Verifier(sampling, target.device)
 
 
-class _Outputs:
-    """Per-row new tokens with EOS and length limits."""
+class Outputs:
+    """Per-row new tokens with EOS and length limits: ``tokens [B]`` lists, ``done [B]`` host bools."""
 
     def __init__(self, b: int, max_new_tokens: int, eos: set[int]):
         self.tokens: list[list[int]] = [[] for _ in range(b)]
@@ -115,7 +120,7 @@ class _Outputs:
         return [0 if self.done[r] else self.max_new - len(self.tokens[r]) - 1 for r in rows]
 
 
-def _leave_batch(live: list[int], done: list[bool], *holders) -> tuple[list[int], list[int] | None]:
+def leave_batch(live: list[int], done: list[bool], *holders) -> tuple[list[int], list[int] | None]:
     """Drop the finished rows from the batch: ``live`` maps batch rows to prompts; every holder of per-row
     state (the runner, the decode state, the drafter, the policy) keeps the unfinished rows. Returns the
     new map and the batch rows kept (None where no row left)."""
@@ -128,7 +133,7 @@ def _leave_batch(live: list[int], done: list[bool], *holders) -> tuple[list[int]
 
 
 @contextmanager
-def _timed(stats: DecodeStats, *fields: str):
+def timed(stats: DecodeStats, *fields: str):
     """Add the wall time of the ``with`` body to each of ``stats``'s ``fields``; yields a one-item list
     that holds the seconds afterwards (for a caller that needs the value too)."""
     seconds = [0.0]
@@ -169,7 +174,7 @@ class StepOutcome:
                    [h[2: 2 + h[0]] for h in host])
 
 
-def tree_margin(drafter: Drafter, policy, max_new_tokens: int) -> int:
+def tree_margin(drafter: Drafter, policy: LengthPolicy, max_new_tokens: int) -> int:
     """Cache room past the longest sequence for one step's draft tree: the largest tree ``drafter`` can
     propose under ``policy``'s deepest budget (a row never drafts more than it may still emit)."""
     return drafter.max_tree_size(min(policy.max_depth, max_new_tokens))
@@ -183,7 +188,7 @@ def speculative_generate(
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
     eos_token_ids: set[int] | None = None,
-    policy=None,
+    policy: LengthPolicy | None = None,
     governor: DraftGovernor | None = None,
 ) -> DecodeResult:
     """Speculative decoding of ``prompts`` (token id lists, ragged) with ``drafter`` and ``policy``
@@ -198,14 +203,14 @@ def speculative_generate(
     policy = policy or StaticLength(64)
     stats, t0 = DecodeStats(), time.perf_counter()
     margin = tree_margin(drafter, policy, max_new_tokens)
-    state, out, verifier = _start(target, prompts, max_new_tokens, sampling, eos_token_ids, margin)
-    with _timed(stats, "prefill_s", "target_s"):
+    state, out, verifier = start_generation(target, prompts, max_new_tokens, sampling, eos_token_ids, margin)
+    with timed(stats, "prefill_s", "target_s"):
         logits, prompt_hidden = target.prefill(state.padded(), state.seq_lens, drafter.needs_hidden)
     stats.target_calls += 1
     first = verifier.first_token(logits)
     state.append(first)
     out.add_each(first.tolist())
-    with _timed(stats, "draft_s"):
+    with timed(stats, "draft_s"):
         drafter.begin(state)
         policy.begin(len(prompts), state)
         if governor is not None:
@@ -214,12 +219,12 @@ def speculative_generate(
             drafter.add_hidden(prompt_hidden, state.seq_lens - 1)
     # Finished rows leave the batch where every holder of per-row state can drop rows (every shipped drafter
     # and policy can), so later steps compute only the rows still generating; elsewhere they stand still in it.
-    leave = drafter.keeps_rows and getattr(policy, "keeps_rows", False)
+    leave = drafter.keeps_rows and policy.keeps_rows
     live = list(range(len(prompts)))  # batch row -> prompt
     while not all(out.done):
         step_start = time.perf_counter()
         drafting = governor is None or governor.drafts(len(live))
-        with _timed(stats, "draft_s"):
+        with timed(stats, "draft_s"):
             budget = policy.budget(out.left(live)) if drafting else Budget([0] * len(live))
             tree = drafter.propose(state, budget)
             if tree.accept is not None and budget.cost is not None:
@@ -227,7 +232,7 @@ def speculative_generate(
             if budget.max_nodes is not None:
                 tree = cap_nodes(tree, budget.max_nodes)
             tree.build_mask()
-        with _timed(stats, "target_s") as seconds:
+        with timed(stats, "target_s") as seconds:
             logits, hidden = target.forward_tree(tree, drafter.needs_hidden)
         policy.observe_step(tree.size, seconds[0], tree.tokens.shape[0])
         verdict = verifier.verify(tree, logits, per_node=drafter.per_node)
@@ -241,7 +246,7 @@ def speculative_generate(
         stats.record(step, active)
         for r in active:
             out.add(live[r], step.tokens[r])
-        with _timed(stats, "draft_s"):
+        with timed(stats, "draft_s"):
             if drafter.needs_hidden:
                 drafter.add_hidden(hidden.gather(1, step.path.clamp(min=0)[..., None].expand(-1, -1, hidden.shape[-1])),
                                    step.path_len)
@@ -250,7 +255,7 @@ def speculative_generate(
             governor.observe(drafting, len(live), sum(step.lengths[r] for r in active),
                              time.perf_counter() - step_start)
         if leave:
-            live, _ = _leave_batch(live, out.done, target, state, drafter, policy)
+            live, _ = leave_batch(live, out.done, target, state, drafter, policy)
     drafter.finish()
     stats.draft_calls = drafter.draft_calls
     stats.drafter = drafter.summary()
@@ -275,8 +280,8 @@ def autoregressive_generate(
 ) -> DecodeResult:
     """One token per target forward, on the same runner and sampler as the speculative loop."""
     stats, t0 = DecodeStats(), time.perf_counter()
-    state, out, verifier = _start(target, prompts, max_new_tokens, sampling, eos_token_ids, 0)
-    with _timed(stats, "prefill_s", "target_s"):
+    state, out, verifier = start_generation(target, prompts, max_new_tokens, sampling, eos_token_ids, 0)
+    with timed(stats, "prefill_s", "target_s"):
         logits, _ = target.prefill(state.padded(), state.seq_lens)
     stats.target_calls += 1
     live = list(range(len(prompts)))  # batch row -> prompt (rows that finish early leave the batch)
@@ -288,11 +293,11 @@ def autoregressive_generate(
                 out.add(r, [t])
         if all(out.done):
             break
-        live, keep = _leave_batch(live, out.done, target)
+        live, keep = leave_batch(live, out.done, target)
         if keep is not None:
             tok = tok[torch.tensor(keep, device=tok.device)]
             ones, zero_path = _one_token_path(len(live), target.device)
-        with _timed(stats, "target_s"):
+        with timed(stats, "target_s"):
             logits, _ = target.forward_tree(DraftTree.chain(tok))
         stats.target_calls += 1
         stats.steps += 1

@@ -124,6 +124,9 @@ class _Cost:
     def costs(self, n):
         return [1.0 + self.per_node * (t - 1) for t in range(1, n + 1)]
 
+    def for_batch(self, rows):  # the contract's (specdec.contracts.StepCostLike): one table for every batch
+        return self
+
 
 def test_cost_mode_weighs_acceptance_against_draft_and_verify_cost():
     confident, doubtful = _Constant({1: 4.0}), _Constant({1: -4.0})

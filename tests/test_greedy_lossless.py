@@ -157,7 +157,7 @@ def check_rows_leave(dec: SpecDecoder, method: str, opts: dict, monkeypatch, sam
         dec.reset_learned()
         with monkeypatch.context() as m:
             for module in (specdec.decoding, specdec.pearl):
-                m.setattr(module, "_leave_batch", lambda live, done, *holders: (live, None))
+                m.setattr(module, "leave_batch", lambda live, done, *holders: (live, None))
             still = dec.generate_ids(prompts, method, 24, GREEDY, **opts)
         assert still.tokens == refs and set(rows) == {len(prompts)}
         assert (out.stats.drafted_tokens, out.stats.accepted_tokens) == (still.stats.drafted_tokens,

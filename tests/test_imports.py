@@ -37,6 +37,13 @@ def test_drafters_do_not_import_policies_or_the_api():
                    for m in loaded), sorted(m for m in loaded if m.startswith("specdec."))
 
 
+def test_policies_do_not_import_drafters():
+    """The contract between drafting and planning lives below both (specdec.contracts)."""
+    loaded = _modules_after("import specdec.policies, specdec.policies.disco, specdec.policies.batch_length")
+    assert not any(m.startswith(("specdec.drafters", "specdec.api", "specdec.methods", "specdec.decoding"))
+                   for m in loaded), sorted(m for m in loaded if m.startswith("specdec."))
+
+
 def test_registrations_are_explicit():
     code = ("from transformers import AttentionInterface, AutoConfig\n"
             "import specdec.api, specdec.model\n"

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from specdec import kernels
-from specdec.drafters.base import Budget, DecodeState, Drafter
+from specdec.contracts import SUPPORT_LEVELS, Budget, DecodeState, num_cells, num_sources
+from specdec.drafters.base import Drafter
 from specdec.kernels.reference import cap_by_parents, shared_prefixes
 from specdec.ngram_corpus import NGramCorpus
 from specdec.ngram_tables import NGramTables, extend_bigram
@@ -27,7 +28,6 @@ from specdec.tree import DraftTree
 
 STRATEGIES = ("mixed", "context", "bigram")
 VERIFY_MODES = ("tree", "batch", "chain")
-SUPPORT_LEVELS = 3  # support_level's levels: one draft, two, three or more
 CORPUS_SLOTS = 2  # the default ``c`` where an n-gram corpus fits the model
 
 
@@ -44,19 +44,6 @@ def node_cells(source: torch.Tensor, rank: torch.Tensor, drafts: torch.Tensor, w
     k, w = drafts.shape[1], drafts.shape[2]
     cells = ((source * k + rank) * w_max)[:, :, None] + torch.arange(w, device=drafts.device)
     return cells * SUPPORT_LEVELS + (support_level(drafts) if support else 0)
-
-
-def num_sources(q: int, n_max: int, corpus: bool = False) -> int:
-    """Number of draft sources as the drafter numbers them: 0 bigram rows, 1 matches of the last ``q``
-    tokens, ``2 + j`` longest-suffix matches of ``q + 1 + j`` tokens (at least one such source), and
-    with ``corpus`` then one per corpus match length ``1 .. n_max``."""
-    return 2 + max(1, n_max - q) + (n_max if corpus else 0)
-
-
-def num_cells(k: int, w: int, q: int, n_max: int, corpus: bool = False) -> int:
-    """Number of (source, rank, depth, support) cells a node can fall in; a cell is
-    ``((source * k + rank) * w + depth) * SUPPORT_LEVELS + support``."""
-    return num_sources(q, n_max, corpus) * k * w * SUPPORT_LEVELS
 
 
 class NGrammysDrafter(Drafter):

@@ -1,10 +1,10 @@
 """Policies: how far to draft each step (budgets, stop rules) and what is worth verifying (planners).
 
-Drafters never import this package: they receive a :class:`~specdec.drafters.base.Budget` (per-row
-depth, the measured :class:`StepCost`, an optional :class:`~specdec.drafters.base.StopRule`) and may
+Drafters never import this package: they receive a :class:`~specdec.contracts.Budget` (per-row
+depth, the measured :class:`StepCost`, an optional :class:`~specdec.contracts.StopRule`) and may
 hold an acceptance table that the method's declaration builds for them.
 """
-from specdec.drafters.base import Budget, StopRule
+from specdec.contracts import Budget, LengthPolicy, StopRule
 from specdec.policies.acceptance import AcceptanceModel, NodeAcceptance, ProbabilityCalibration
 from specdec.policies.cost import StepCost
 from specdec.policies.governor import DraftGovernor

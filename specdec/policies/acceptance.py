@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.ngrammys import SUPPORT_LEVELS, num_cells, num_sources
+from specdec.contracts import SUPPORT_LEVELS, num_cells, num_sources
 
 
 class AcceptanceModel:

@@ -1,6 +1,6 @@
 """Length policies: each step's drafting budget per row, and stop rules that end a row's draft early.
 
-A policy turns the tokens each row may still emit into a :class:`~specdec.drafters.base.Budget`
+A policy turns the tokens each row may still emit into a :class:`~specdec.contracts.Budget`
 (``budget``) and learns from what verification accepted (``update``). Every policy may carry the
 target's measured :class:`~specdec.policies.cost.StepCost` (cost-aware drafters and the planner size
 trees by it; the decode loop times every step into it) and a :class:`StopRule` for model drafters.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import Budget, StopRule
+from specdec.contracts import Budget, StopRule
 from specdec.policies.cost import StepCost
 
 
@@ -49,13 +49,20 @@ class StaticLength:
     @property
     def keeps_rows(self) -> bool:
         """Whether :meth:`keep_rows` can drop finished rows (its stop rule, if any, must drop them too)."""
-        return self.stop is None or getattr(self.stop, "keeps_rows", False)
+        return self.stop is None or self.stop.keeps_rows
 
     def keep_rows(self, rows: list[int]) -> None:
         """Finished rows left the batch: keep ``rows`` (ascending batch indices) only (a stop rule that keeps its
         rows refuses, :meth:`StopRule.keep_rows`)."""
         if self.stop is not None:
             self.stop.keep_rows(rows)
+
+    def prepare_batch(self, runner, rows: int) -> None:
+        """Before a batch of ``rows`` rows decodes: calibrate this policy's step cost, and its stop rule's (DISCO's
+        cost mode), at that batch size where no table exists yet (target forwards on ``runner``)."""
+        for cost in (self.cost, None if self.stop is None else self.stop.cost):
+            if isinstance(cost, StepCost):
+                cost.ensure_batch(runner, rows)
 
     def observe_step(self, tree_size: int, seconds: float, rows: int = 1) -> None:
         """The measured target forward over ``rows`` rows of ``tree_size`` nodes."""
