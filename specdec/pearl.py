@@ -53,10 +53,11 @@ from types import SimpleNamespace
 
 import torch
 
-from specdec.decoding import DecodeResult, DecodeStats, _leave_batch, _start, _timed
+from specdec.decoding import DecodeResult, DecodeStats, leave_batch, start_generation, timed
 from specdec.draft_worker import ConcurrentDraft
 from specdec.model import ModelRunner
 from specdec.policies import DraftGovernor
+from specdec.policies.planner import best_window
 from specdec.tree import DraftTree, SparseProbs
 from specdec.verify import SamplingConfig
 
@@ -110,29 +111,6 @@ class WindowLength:
             self.draft_seconds += 0.2 * (window_seconds / forwards - self.draft_seconds)
         if target_seconds is not None and self.cost is not None:
             self.cost.observe(target_nodes, target_seconds)
-
-
-def best_window(alpha: float, draft_seconds: float, costs: list[float]) -> int:
-    """The window length ``g`` in ``1 .. len(costs)`` with the most expected tokens per second.
-
-    alpha: per-token acceptance; draft_seconds: one draft forward (a window of ``g`` costs ``g`` of them);
-    costs: ``costs[n-1]`` the target's seconds over a chain of ``n`` tokens. A pre-verify round (target over
-    the root) takes ``max(g * t_q, c(1))`` and emits 1 token, then post-verify follows with probability
-    ``alpha``; a post-verify round (root plus ``g - 1`` pending) takes ``max(g * t_q, c(g))``, emits
-    ``(1 - alpha^g) / (1 - alpha)`` tokens in expectation and stays with probability ``alpha^g``. Their
-    stationary mix gives the rate.
-    """
-    alpha = min(max(alpha, 1e-3), 1 - 1e-3)
-    best, best_rate = 1, -1.0
-    for g in range(1, len(costs) + 1):
-        stay = alpha ** g
-        post = alpha / (1 - stay)  # post-verify rounds per pre-verify round
-        tokens = 1 + post * (1 - stay) / (1 - alpha)
-        seconds = max(g * draft_seconds, costs[0]) + post * max(g * draft_seconds, costs[g - 1])
-        rate = tokens / seconds
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = g, rate
-    return best
 
 
 @dataclass
@@ -189,8 +167,8 @@ def pearl_generate(
     window = window or WindowLength(4)
     gmax = window.largest
     stats, t0 = DecodeStats(), time.perf_counter()
-    state, out, verifier = _start(target, prompts, max_new_tokens, sampling, eos_token_ids, gmax + 1)
-    with _timed(stats, "prefill_s", "target_s"):
+    state, out, verifier = start_generation(target, prompts, max_new_tokens, sampling, eos_token_ids, gmax + 1)
+    with timed(stats, "prefill_s", "target_s"):
         logits, _ = target.prefill(state.padded(), state.seq_lens)
     stats.target_calls += 1
     first = verifier.first_token(logits)
@@ -251,7 +229,7 @@ def pearl_generate(
         if any(verify_row):
             width = nodes - 1
             ttree = DraftTree.chain(state.roots, _pad(run, width, dev))
-            with _timed(stats, "target_s") as seconds:
+            with timed(stats, "target_s") as seconds:
                 logits, _ = target.forward_tree(ttree)
             target_seconds = seconds[0]
             stats.target_calls += 1
@@ -327,7 +305,7 @@ def pearl_generate(
                        win.forwards if win else 0, target_seconds if b == 1 and concurrent else None, nodes)
         if governor is not None:
             governor.observe(concurrent, b, emitted_all, time.perf_counter() - round_start)
-        live, kept = _leave_batch(live, out.done, target, state, draft)
+        live, kept = leave_batch(live, out.done, target, state, draft)
         if kept is not None:  # later rounds compute only the rows still generating
             pending, pending_q, fed = ([x[r] for r in kept] for x in (pending, pending_q, fed))
             b = len(live)

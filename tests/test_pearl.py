@@ -14,7 +14,8 @@ import torch
 
 from specdec.api import SpecDecoder, hf_generate
 from specdec.draft_worker import DraftWorkerError
-from specdec.pearl import WindowLength, best_window
+from specdec.pearl import WindowLength
+from specdec.policies.planner import best_window
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig, Verifier
 from tests.conftest import tiny_model

@@ -190,9 +190,10 @@ def _cost(row: dict, n: int) -> float:
 def report(res: dict) -> None:
     """The measured table, and what it predicts: tokens/s of PEARL (target on one thread beside the draft
     process) and of sd (both on two threads, one after the other) per per-token acceptance ``alpha``, each at its
-    best window or draft length (:func:`specdec.pearl.best_window`; sd's ``(1 - a^(k+1)) / (1 - a)`` tokens per
+    best window or draft length (:func:`specdec.policies.planner.best_window`; sd's ``(1 - a^(k+1)) / (1 - a)``
+    tokens per
     ``k`` draft forwards and one target forward over ``k + 1`` tokens)."""
-    from specdec.pearl import best_window
+    from specdec.policies.planner import best_window
 
     ms = res["target_ms"]
     sizes = sorted(int(n) for n in next(iter(ms.values())))

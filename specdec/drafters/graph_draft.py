@@ -238,9 +238,9 @@ class GraphDrafter(Drafter):
                          cost: StepCostLike) -> list[list[tuple[int, int]]]:
         """schedule=cost: the frontier cut to what may pay for another draft forward.
 
-        Each row's tree is planned as the decode loop's planner will (most likely nodes first, the size with
-        the most expected tokens per second), which gives its expected tokens ``E`` and the reach a further
-        node needs to be kept, ``E * (c(n+2) - c(n+1)) / c(n+1)``. A frontier node is expanded only if its
+        Each row's tree is planned by the planner's rules, which come with the cost table: ``cost.best_size`` (most
+        likely nodes first, the size with the most expected tokens per second) gives its expected tokens ``E``, and
+        ``cost.marginal_bar`` the reach a further node needs to be kept, ``E * (c(n+2) - c(n+1)) / c(n+1)``. A frontier node is expanded only if its
         reach times the draft's measured top-1 coverage at its children's depth clears that bar (its best
         child could be kept), and the level only if its nodes' reach times the top-k coverage, the tokens it
         may add, is worth the draft forward's share of a step (``E * d / c(n+1)`` summed over rows).
@@ -254,11 +254,11 @@ class GraphDrafter(Drafter):
                 continue
             reach = self._reach(g)
             n, expected = cost.best_size(sorted(reach[1:], reverse=True), costs)
-            bar = expected * (costs[n + 1] - costs[n]) / costs[n]
+            bar = cost.marginal_bar(expected, costs[n], costs[n + 1] - costs[n])  # a further node's reach
             keep = [(node, col) for node, col in row if reach[node] * self._coverage(g.depth[node] + 1)[0] >= bar]
             out.append(keep)
             gain += sum(reach[node] * self._coverage(g.depth[node] + 1)[1] for node, _ in keep)
-            price += expected * self.draft_seconds / costs[n]
+            price += cost.marginal_bar(expected, costs[n], self.draft_seconds)  # the draft forward's share
         return out if gain >= price else [[] for _ in grow]
 
     def _reach(self, g: DraftGraph) -> list[float]:

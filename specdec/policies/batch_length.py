@@ -4,9 +4,12 @@ An engine such as vLLM runs every request's ``1 + drafted`` tokens in one forwar
 grows with the batch's total token count ``T``, not with any one request's length. :class:`LinearStepCost`
 fits ``c(T) = a + b T`` to the engine's measured step times; :func:`plan_lengths` then keeps, across all
 requests, the draft tokens most likely to be accepted, as many as raise the batch's expected tokens per
-second. A chain's tokens are reached with falling probability, so the kept set is a prefix of every chain.
+second (the planner's :func:`~specdec.policies.planner.best_size`). A chain's tokens are reached with falling
+probability, so the kept set is a prefix of every chain.
 """
 from __future__ import annotations
+
+from specdec.policies.planner import best_size
 
 
 class LinearStepCost:
@@ -66,12 +69,8 @@ def plan_lengths(reach: list[list[float]], cost: LinearStepCost) -> list[int]:
     n_rows, best_k = len(reach), len(tokens)
     if cost.ready:
         a, b = cost.coefficients()
-        expected, best_rate, best_k = float(n_rows), n_rows / (a + b * n_rows), 0
-        for k, (p, _) in enumerate(tokens, start=1):
-            expected += p
-            rate = expected / (a + b * (n_rows + k))
-            if rate > best_rate:
-                best_rate, best_k = rate, k
+        costs = [a + b * (n_rows + k) for k in range(len(tokens) + 1)]
+        best_k, _ = best_size([p for p, _ in tokens], costs, base=float(n_rows))
     if explore:
         best_k //= 2
     out = [0] * n_rows

@@ -108,14 +108,20 @@ class StepCost:
     def best_size(self, reach: list[float], costs: list[float] | None = None) -> tuple[int, float]:
         """Of draft nodes reached with probabilities ``reach`` (in the order they would be added), how many
         to verify for the most expected tokens per second of target time, and the tokens that emits
-        (``1 + `` their reach). ``costs``: :meth:`costs` of at least ``len(reach) + 1`` if the caller has it."""
-        costs = self.costs(len(reach) + 1) if costs is None else costs
-        best_n, best_e, best_rate, expected = 0, 1.0, 1.0 / costs[0], 1.0
-        for n, r in enumerate(reach[: len(costs) - 1], start=1):
-            expected += r
-            if expected / costs[n] > best_rate:
-                best_n, best_e, best_rate = n, expected, expected / costs[n]
-        return best_n, best_e
+        (``1 + `` their reach): :func:`specdec.policies.planner.best_size` on this table, the planner's rule
+        handed to drafters with their budget. ``costs``: :meth:`costs` of at least ``len(reach) + 1`` if the
+        caller has it."""
+        from specdec.policies.planner import best_size  # the planner imports this module
+
+        return best_size(reach, self.costs(len(reach) + 1) if costs is None else costs)
+
+    def marginal_bar(self, tokens: float, seconds: float, extra_seconds: float) -> float:
+        """:func:`specdec.policies.planner.marginal_bar`: the expected tokens that ``extra_seconds`` of work must
+        add to a step emitting ``tokens`` in ``seconds`` (for drafters, which receive the planner with this
+        table)."""
+        from specdec.policies.planner import marginal_bar
+
+        return marginal_bar(tokens, seconds, extra_seconds)
 
     @classmethod
     def calibrate(cls, runner, context: int = 128, repeats: int = 3, sizes=SIZES, extra_inputs=None, rows: int = 1,

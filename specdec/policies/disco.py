@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from specdec import kernels
-from specdec.drafters.base import StopRule
+from specdec.contracts import StopRule
+from specdec.policies.planner import next_draft_token_pays
 
 TOPK = 10
 FEATURES = tuple(f"top{i + 1}" for i in range(TOPK)) + ("entropy_over_log_v", "depth", "log1p_position")
@@ -205,8 +206,7 @@ class DiscoStop(StopRule):
             self._logits = []
             self._start = torch.tensor(self._position, device=logits.device)  # one host copy per step
             # The rows drafting now are verified together: their batch's own step costs, where measured.
-            batch = getattr(self.cost, "for_batch", None)
-            self._step_cost = batch(logits.shape[0]) if batch is not None else self.cost
+            self._step_cost = None if self.cost is None else self.cost.for_batch(logits.shape[0])
         elif self.mode == "cost" and self._last_call is not None:  # one draft forward since the previous token
             self.draft_seconds = 0.9 * self.draft_seconds + 0.1 * (now - self._last_call)
         position = self._start + (depth - 1)
@@ -218,18 +218,9 @@ class DiscoStop(StopRule):
             going = p >= self.threshold
         else:
             self._reach = [p] if depth == 1 else self._reach + [self._reach[-1] * p]
-            going = self._pays(depth, p)
+            going = next_draft_token_pays(self._reach, p, self._step_cost.costs(depth + 2), self.draft_seconds)
         self._last_call = time.perf_counter()
         return going
-
-    def _pays(self, depth: int, p: torch.Tensor) -> torch.Tensor:
-        """Per row: does drafting token ``depth + 1`` raise the expected tokens per second of this step?"""
-        costs = self._step_cost.costs(depth + 2)  # c(1) .. c(depth + 2) for trees of 1 .. depth + 2 nodes
-        emitted = 1.0 + torch.stack(self._reach).sum(0)  # 1 + the chance each drafted prefix is accepted
-        seconds = costs[depth] + depth * self.draft_seconds
-        extra = self.draft_seconds + costs[depth + 1] - costs[depth]
-        gain = self._reach[-1] * p  # the next token is accepted about as often as this one (its features are unknown)
-        return (emitted + gain) / (seconds + extra) > emitted / seconds
 
     def update(self, drafted: list[int], accepted: list[int], rows: list[int] | None = None) -> None:
         rows = list(range(len(drafted))) if rows is None else rows

@@ -1,15 +1,87 @@
-"""Cost planners: how much of a draft to verify, given acceptance estimates and the measured step cost.
+"""The cost planner: every decision of how much to draft or verify, from acceptance estimates, the measured step
+cost and the measured draft seconds.
 
-Every planner maximises expected tokens per second of target time: a step that verifies ``n`` draft
-nodes emits ``1 + E[accepted]`` tokens and costs ``c(n + 1)`` (the root is always verified).
+Every rule here maximises expected tokens per second: a step that verifies ``n`` draft nodes emits
+``1 + E[accepted]`` tokens and costs ``c(n + 1)`` of target time (the root is always verified), plus the draft's
+forwards where a draft model runs. Two rules do the work: :func:`best_size` (how many of the likeliest nodes to
+keep; :func:`best_sizes`, :func:`batch_width`, :func:`best_length` and :meth:`StepCost.best_size` are it over a
+batch, a common width, an acceptance model, a drafter's own list) and :func:`pays` (whether adding work raises
+the rate: DISCO's next draft token, GSD's next frontier level); :func:`best_window` is PEARL's, where drafting
+overlaps verification.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from specdec.policies.acceptance import AcceptanceModel
-from specdec.policies.cost import StepCost
 from specdec.tree import DraftTree, SparseProbs
+
+if TYPE_CHECKING:
+    from specdec.policies.acceptance import AcceptanceModel
+    from specdec.policies.cost import StepCost
+
+
+def best_size(reach: list[float], costs: list[float], base: float = 1.0) -> tuple[int, float]:
+    """Of draft nodes reached with probabilities ``reach`` (in the order they would be added), how many to verify
+    for the most expected tokens per second of target time, and the tokens that emits (``base +`` their reach).
+    costs: the step's seconds with ``0 .. m - 1`` nodes (``c(1) .. c(m)`` for one row; nodes past ``m - 1`` are not
+    considered); base: the tokens the step emits with none (1 a row). The smallest size wins ties."""
+    best_n, best_e, best_rate, expected = 0, base, base / costs[0], base
+    for n, r in enumerate(reach[: len(costs) - 1], start=1):
+        expected += r
+        if expected / costs[n] > best_rate:
+            best_n, best_e, best_rate = n, expected, expected / costs[n]
+    return best_n, best_e
+
+
+def pays(gain, tokens, seconds, extra_seconds):
+    """Whether work that adds ``gain`` expected tokens for ``extra_seconds`` raises the rate of a step that emits
+    ``tokens`` in ``seconds``: ``(tokens + gain) / (seconds + extra_seconds) > tokens / seconds``. Floats or
+    tensors (per row, broadcast)."""
+    return (tokens + gain) / (seconds + extra_seconds) > tokens / seconds
+
+
+def marginal_bar(tokens: float, seconds: float, extra_seconds: float) -> float:
+    """The expected tokens that work of ``extra_seconds`` must add to pay (:func:`pays` at equality) in a step that
+    emits ``tokens`` in ``seconds``."""
+    return tokens * extra_seconds / seconds
+
+
+def best_window(alpha: float, draft_seconds: float, costs: list[float]) -> int:
+    """PEARL: the window length ``g`` in ``1 .. len(costs)`` with the most expected tokens per second.
+
+    alpha: per-token acceptance; draft_seconds: one draft forward (a window of ``g`` costs ``g`` of them);
+    costs: ``costs[n-1]`` the target's seconds over a chain of ``n`` tokens. A pre-verify round (target over
+    the root) takes ``max(g * t_q, c(1))`` and emits 1 token, then post-verify follows with probability
+    ``alpha``; a post-verify round (root plus ``g - 1`` pending) takes ``max(g * t_q, c(g))``, emits
+    ``(1 - alpha^g) / (1 - alpha)`` tokens in expectation and stays with probability ``alpha^g``. Their
+    stationary mix gives the rate.
+    """
+    alpha = min(max(alpha, 1e-3), 1 - 1e-3)
+    best, best_rate = 1, -1.0
+    for g in range(1, len(costs) + 1):
+        stay = alpha ** g
+        post = alpha / (1 - stay)  # post-verify rounds per pre-verify round
+        tokens = 1 + post * (1 - stay) / (1 - alpha)
+        seconds = max(g * draft_seconds, costs[0]) + post * max(g * draft_seconds, costs[g - 1])
+        rate = tokens / seconds
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = g, rate
+    return best
+
+
+def next_draft_token_pays(reach: list[torch.Tensor], p: torch.Tensor, costs: list[float],
+                          draft_seconds: float) -> torch.Tensor:
+    """DISCO's cost mode, per row: does drafting one more token raise this step's expected tokens per second?
+
+    reach: ``depth`` tensors ``[B]``, the chance each drafted prefix is accepted; p: ``[B]`` the last token's
+    calibrated acceptance (the next one is taken to be accepted about as often: its features are unknown);
+    costs: ``c(1) .. c(depth + 2)``; draft_seconds: one draft forward. Returns ``[B] bool``."""
+    depth = len(reach)
+    emitted = 1.0 + torch.stack(reach).sum(0)
+    seconds = costs[depth] + depth * draft_seconds
+    return pays(reach[-1] * p, emitted, seconds, draft_seconds + costs[depth + 1] - costs[depth])
 
 
 def best_length(acceptance: AcceptanceModel, cost: StepCost, signal: int, max_k: int) -> int:
@@ -63,7 +135,7 @@ def _chain_sizes(reach: list[list[float]], drafted: list[int], cost: StepCost, e
     costs = cost.costs(max(drafted, default=0) + 1)
     out = []
     for row, n in zip(reach, drafted):
-        best, _ = cost.best_size(row[1: n + 1], costs)
+        best, _ = best_size(row[1: n + 1], costs)
         out.append(min(best + 1, n) if explore else best)
     return out
 
