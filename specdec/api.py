@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specdec import memory, methods
-from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate, tree_margin
+from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate
 from specdec.draft_models import is_feature_draft, warm_up_inputs
 from specdec.draft_worker import ConcurrentDraft, InlineDraft, ProcessDraft
 from specdec.hub import DEFAULT_MODEL, DRAFTS, cache_dir, load_model, tables_cache_dir
@@ -301,27 +301,27 @@ class SpecDecoder:
                 raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:  # the loops' own errors
             return autoregressive_generate(self.runner, prompts, max_new_tokens, sampling, self.eos)
-        drafter = policy = None
+        built = None
         if spec.build is not None:
             if spec.prepare is not None:
                 spec.prepare(self, opts, prompts, max_new_tokens, sampling)
-            drafter, policy = spec.build(self, opts, sampling)
-        shape = self._call_shape(spec, opts, drafter, policy, max_new_tokens, sampling)
+            built = spec.build(self, opts, sampling)
+        shape = self._call_shape(spec, opts, built, max_new_tokens, sampling)
         parts, need = self._fit(shape, [len(p) for p in prompts], max_memory, chunk)
         result = None
         for start, end in parts:
             rows = prompts[start:end]
-            if policy is not None:  # a batch's steps have their own costs
-                policy.prepare_batch(self.runner, len(rows))
+            if built is not None and built.policy is not None:  # a batch's steps have their own costs
+                built.policy.prepare_batch(self.runner, len(rows))
             if governor is None and isinstance(opts, methods.GovernedOptions) and opts.govern:
                 governor = self.acceptance(("governor", method, opts), DraftGovernor)
-            if drafter is None:
+            if built is None:
                 res = autoregressive_generate(self.runner, rows, max_new_tokens, sampling, self.eos)
-            elif spec.own_loop:
-                res = drafter.generate(self.runner, rows, max_new_tokens, sampling, self.eos, governor)
+            elif built.loop is not None:
+                res = built.loop.generate(self.runner, rows, max_new_tokens, sampling, self.eos, governor)
             else:
-                res = speculative_generate(self.runner, drafter, rows, max_new_tokens, sampling, self.eos, policy,
-                                           governor)
+                res = speculative_generate(self.runner, built.drafter, rows, max_new_tokens, sampling, self.eos,
+                                           built.policy, governor)
             res.stats.memory_estimate = need[(start, end)]
             if result is None:
                 result = res
@@ -336,16 +336,16 @@ class SpecDecoder:
         the whole batch in one generation (:func:`specdec.memory.estimate`)."""
         spec = methods.get(method)
         opts = spec.parse(options)
-        drafter, policy = spec.build(self, opts, sampling) if spec.build is not None else (None, None)
-        shape = self._call_shape(spec, opts, drafter, policy, max_new_tokens, sampling)
+        built = spec.build(self, opts, sampling) if spec.build is not None else None
+        shape = self._call_shape(spec, opts, built, max_new_tokens, sampling)
         return memory.estimate(shape, [len(p) for p in prompts])
 
-    def _call_shape(self, spec, opts, drafter, policy, max_new_tokens: int, sampling: SamplingConfig) -> "memory.CallShape":
+    def _call_shape(self, spec, opts, built: "methods.Built | None", max_new_tokens: int,
+                    sampling: SamplingConfig) -> "memory.CallShape":
         return memory.CallShape(
             self.model, self.get_draft(getattr(opts, "draft", None))[0] if spec.needs_draft else None,
-            0 if drafter is None else drafter.margin if spec.own_loop else tree_margin(drafter, policy, max_new_tokens),
-            max_new_tokens,
-            memory.sampling_copies(sampling), drafter is not None and drafter.needs_hidden)
+            0 if built is None else built.margin(max_new_tokens), max_new_tokens,
+            memory.sampling_copies(sampling), built is not None and built.needs_hidden)
 
     def _fit(self, shape: "memory.CallShape", lens: list[int], max_memory, chunk: bool):
         """The row ranges to run (one, or chunks that fit) and each one's estimated bytes."""

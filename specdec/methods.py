@@ -1,10 +1,10 @@
 """The method registry: one declaration per decoding method.
 
 A :class:`Method` names the method, its options (a dataclass whose fields carry defaults, help and
-allowed values), whether it needs a draft model, and how it builds its drafter and length policy
-on a decoder. ``SpecDecoder.generate_ids``, ``specdec generate`` (flags and ``--help``) and the
-``specdec bench`` labels (``name:key=value:...``) are all derived from :data:`REGISTRY`; adding a
-method means adding one declaration here (or calling :func:`register` from outside).
+allowed values), whether it needs a draft model, and how it builds, on a decoder, a :class:`Built`: its
+drafter and length policy (or a decode loop of its own). ``SpecDecoder.generate_ids``, ``specdec generate``
+(flags and ``--help``) and the ``specdec bench`` labels (``name:key=value:...``) are all derived from
+:data:`REGISTRY`; adding a method means adding one declaration here (or calling :func:`register` from outside).
 
 Builders receive the decoder as ``dec`` and use only its public helpers (``get_draft``,
 ``step_cost``, ``ngram_tables``, ``ngram_corpus``, ``acceptance``), so this module does not import
@@ -17,16 +17,20 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
+from specdec.contracts import LengthPolicy
+from specdec.decoding import DecodeResult, tree_margin
 from specdec.draft_models import is_feature_draft
 from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDrafter
+from specdec.drafters.base import Drafter
 from specdec.drafters.feature_draft import FeatureDraftDrafter
 from specdec.drafters.graph_draft import SIBLINGS, GraphDrafter
 from specdec.drafters.ouroboros import ATTACH, ORDERS, SOURCES, OuroborosDrafter, PhraseRates
 from specdec.drafters.phrase_pool import PhrasePool
 from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES, corpus_slots
-from specdec.policies import (AcceptanceModel, ConfidenceStop, HeuristicLength, NodeAcceptance,
+from specdec.model import ModelRunner
+from specdec.policies import (AcceptanceModel, ConfidenceStop, DraftGovernor, HeuristicLength, NodeAcceptance,
                               ProbabilityCalibration, StaticLength, StepCost)
 from specdec.policies.disco import DiscoClassifier, DiscoStop, OracleStop, PlattCalibration, draft_fingerprint
 from specdec.pearl import PearlDecoding, WindowLength, one_thread
@@ -184,26 +188,64 @@ class PearlOptions(GovernedOptions):
     draft: str | None = option(None, "which loaded draft (default: the first)", cli=False)
 
 
+class OwnLoop(Protocol):
+    """A decode loop of a method's own (PEARL's, whose draft runs beside the target)."""
+
+    needs_hidden: bool  # whether its draft reads the target's hidden states
+
+    @property
+    def margin(self) -> int:
+        """Cache room past the longest sequence for one round's tokens."""
+        ...
+
+    def generate(self, target: ModelRunner, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
+                 eos_token_ids: set[int], governor: DraftGovernor | None) -> DecodeResult: ...
+
+
+@dataclass(frozen=True)
+class Built:
+    """What a method's ``build`` returns: a drafter and its length policy for the shared decode loop
+    (:func:`specdec.decoding.speculative_generate`), or a ``loop`` of its own. Exactly one of ``drafter`` and
+    ``loop`` is set."""
+
+    drafter: Drafter | None = None
+    policy: LengthPolicy | None = None
+    loop: OwnLoop | None = None
+
+    def __post_init__(self):
+        if (self.drafter is None) == (self.loop is None):
+            raise TypeError("a method builds a drafter (and its policy) or a loop of its own, exactly one")
+        if self.loop is not None and self.policy is not None:
+            raise TypeError("a method's own loop keeps its own length policy")
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether the draft reads the target's hidden states (the target then returns them)."""
+        return (self.loop if self.loop is not None else self.drafter).needs_hidden
+
+    def margin(self, max_new_tokens: int) -> int:
+        """Cache room past the longest sequence for one step's drafts."""
+        if self.loop is not None:
+            return self.loop.margin
+        return tree_margin(self.drafter, self.policy or StaticLength(64), max_new_tokens)
+
+
 @dataclass(frozen=True)
 class Method:
     """A decoding method.
 
-    build: ``(dec, options, sampling) -> (drafter, policy)``; None for plain autoregressive decoding.
+    build: ``(dec, options, sampling) -> Built``; None for plain autoregressive decoding.
     prepare: ``(dec, options, prompts, max_new_tokens, sampling) -> None``, work a method needs done for
     these prompts before it decodes (the oracle's reference runs); benchmarks call it outside the timed
     region, ``generate_ids`` before every call (it must be cheap when repeated).
-    own_loop: ``build`` returns ``(loop, None)``, a method with a decode loop of its own: ``loop.margin`` (cache
-    room past the longest sequence) and ``loop.generate(target_runner, prompts, max_new_tokens, sampling,
-    eos_ids, governor) -> DecodeResult`` (PEARL, whose draft runs beside the target).
     """
 
     name: str
     summary: str
     options: type = NoOptions
     needs_draft: bool = False
-    build: Callable[[Any, Any, SamplingConfig], tuple] | None = None
+    build: Callable[[Any, Any, SamplingConfig], Built] | None = None
     prepare: Callable[[Any, Any, list[list[int]], int, SamplingConfig], None] | None = None
-    own_loop: bool = False
 
     def parse(self, given: dict) -> Any:
         """The options dataclass from ``given`` (name -> value; strings from labels are converted to
@@ -270,7 +312,8 @@ def _build_pld(dec, o: PLDOptions, sampling: SamplingConfig):
     cost = o.schedule == "cost"
     acceptance = dec.acceptance(("pld", o.history), AcceptanceModel) if cost else None
     drafter = PromptLookupDrafter(o.num_tokens, o.n_min, o.n_max, acceptance=acceptance, history=bool(o.history))
-    return drafter, _length_policy(o.schedule, o.num_tokens, o.num_tokens, dec.step_cost() if cost else None)
+    policy = _length_policy(o.schedule, o.num_tokens, o.num_tokens, dec.step_cost() if cost else None)
+    return Built(drafter, policy)
 
 
 def _build_sd(dec, o: SDOptions, sampling: SamplingConfig):
@@ -281,13 +324,13 @@ def _build_sd(dec, o: SDOptions, sampling: SamplingConfig):
         if o.disco_threshold is not None or o.max_draft_length is not None or o.disco is not None:
             raise ValueError("disco_threshold, max_draft_length and disco apply to schedule=disco or oracle")
         stop = ConfidenceStop(o.confidence) if o.confidence > 0 else None
-        return drafter, _length_policy(o.schedule, o.draft_length, 64, stop=stop)
+        return Built(drafter, _length_policy(o.schedule, o.draft_length, 64, stop=stop))
     if o.confidence > 0:
         raise ValueError(f"confidence is its own stop rule; schedule={o.schedule} has another")
     if o.schedule == "oracle":
         if not sampling.greedy:
             raise ValueError("the oracle schedule is greedy only (it follows the target's greedy reference run)")
-        return drafter, StaticLength(o.max_draft_length or 32, stop=OracleStop(dec.references()))
+        return Built(drafter, StaticLength(o.max_draft_length or 32, stop=OracleStop(dec.references())))
     name = o.draft or dec.draft_names()[0]
     classifier = DiscoClassifier.load(o.disco or dec.disco_path(name), draft_fingerprint(draft))
     start = classifier.meta.get("calibration", (1.0, 0.0))
@@ -296,7 +339,7 @@ def _build_sd(dec, o: SDOptions, sampling: SamplingConfig):
     cost = dec.step_cost() if o.disco_mode == "cost" else None
     seconds = dec.draft_seconds(name) if o.disco_mode == "cost" else None
     stop = DiscoStop(classifier, o.disco_mode, o.disco_threshold, calibration, cost, seconds)
-    return drafter, StaticLength(max_len, stop=stop)
+    return Built(drafter, StaticLength(max_len, stop=stop))
 
 
 def _prepare_sd(dec, o: SDOptions, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig):
@@ -320,7 +363,7 @@ def _build_ngrammys(dec, o: NGrammysOptions, sampling: SamplingConfig):
     drafter = NGrammysDrafter(tables, k=o.k, w=o.w, q=o.q, n_max=o.n_max, strategy=o.strategy, verify=o.verify,
                               acceptance=acceptance, corpus=dec.ngram_corpus() if c else None, c=c,
                               support=bool(o.support))
-    return drafter, StaticLength(o.w, cost=dec.step_cost() if cost else None)
+    return Built(drafter, StaticLength(o.w, cost=dec.step_cost() if cost else None))
 
 
 def _build_gsd(dec, o: GSDOptions, sampling: SamplingConfig):
@@ -340,7 +383,7 @@ def _build_gsd(dec, o: GSDOptions, sampling: SamplingConfig):
                            prob_threshold=o.prob_threshold, sibling_threshold=o.sibling_threshold,
                            max_depth=o.max_depth, max_nodes=o.max_nodes, merge=bool(o.merge), siblings=o.siblings,
                            calibration=calibration, cost=cost, draft_seconds=seconds)
-    return drafter, StaticLength(o.max_depth, cost=cost)
+    return Built(drafter, StaticLength(o.max_depth, cost=cost))
 
 
 def _build_ouroboros(dec, o: OuroborosOptions, sampling: SamplingConfig):
@@ -373,7 +416,7 @@ def _build_ouroboros(dec, o: OuroborosOptions, sampling: SamplingConfig):
                                rates=dec.acceptance(key + ("rates",), lambda: PhraseRates(o.phrase_len)),
                                pool_file=o.pool_file)
     depth = o.gamma + (o.phrase_len if o.lengthen and o.k else 0)
-    return drafter, StaticLength(depth, cost=dec.step_cost() if schedule == "cost" else None)
+    return Built(drafter, StaticLength(depth, cost=dec.step_cost() if schedule == "cost" else None))
 
 
 def _build_pearl(dec, o: PearlOptions, sampling: SamplingConfig):
@@ -394,8 +437,8 @@ def _build_pearl(dec, o: PearlOptions, sampling: SamplingConfig):
 
     largest = o.gamma if o.window == "fixed" else o.max_gamma
     positions = getattr(draft.config.get_text_config(), "max_position_embeddings", None)
-    return PearlDecoding(lambda: dec.draft_backend(name, o.backend), make_window, largest, bool(o.pre_verify),
-                         bool(o.post_verify), o.proposal_topk, positions), None
+    return Built(loop=PearlDecoding(lambda: dec.draft_backend(name, o.backend), make_window, largest,
+                                    bool(o.pre_verify), bool(o.post_verify), o.proposal_topk, positions))
 
 
 def one_thread_cost(dec) -> StepCost:
@@ -430,7 +473,7 @@ register(Method("gsd", "GSD: the draft model's top-k continuations grown level b
 
 register(Method("pearl", "PEARL: the draft model drafts in a worker process on its own core while the target "
                          "verifies (pre-verify, post-verify), with an adaptive window", PearlOptions, True,
-                _build_pearl, own_loop=True))
+                _build_pearl))
 register(Method("ouroboros", "Ouroboros: the draft model drafts phrase by phrase (lookahead window, phrase pool), "
                              "pool phrases lengthen the draft, verification and history feed the pool",
                 OuroborosOptions, True, _build_ouroboros))

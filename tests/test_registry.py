@@ -57,7 +57,7 @@ def test_a_registered_method_reaches_python_cli_and_bench(tmp_path, capsys):
     def build(dec, o, sampling):
         from specdec.drafters import PromptLookupDrafter
         from specdec.policies import StaticLength
-        return PromptLookupDrafter(o.length), StaticLength(o.length)
+        return methods.Built(PromptLookupDrafter(o.length), StaticLength(o.length))
 
     methods.register(Method("echo-test", "prompt lookup, fixed length", EchoOptions, False, build))
     try:
@@ -83,3 +83,26 @@ def test_cli_reports_bad_options_clearly(capsys):
     assert rc == 2
     with pytest.raises(SystemExit):
         main(["generate", "--method", "pld", "--strategy", "magic", "--prompt", "x"])
+
+
+def test_build_returns_one_type():
+    """Every builder returns a methods.Built: a drafter with its policy, or a loop of its own, never both."""
+    from specdec.drafters import PromptLookupDrafter
+    from specdec.policies import StaticLength
+
+    drafter, policy = PromptLookupDrafter(3), StaticLength(3)
+    assert methods.Built(drafter, policy).margin(100) == drafter.max_tree_size(3)
+
+    class Loop:
+        needs_hidden, margin = False, 7
+
+    assert methods.Built(loop=Loop()).margin(100) == 7
+    for bad in (dict(), dict(drafter=drafter, loop=Loop()), dict(loop=Loop(), policy=policy)):
+        with pytest.raises(TypeError, match="exactly one|own length policy"):
+            methods.Built(**bad)
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6))
+    for name in methods.names():
+        spec = methods.get(name)
+        if spec.build is not None:
+            assert isinstance(spec.build(dec, spec.parse({}), SamplingConfig()), methods.Built), name
