@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from specdec.drafters.base import OUTCOMES, DecodeState, last_outcome
+from specdec.contracts import OUTCOMES, DecodeState, last_outcome
 from specdec.drafters.ngrammys import NGrammysDrafter, best_chain
 from specdec.kernels import ngram_match
 from specdec.policies import NodeAcceptance
@@ -118,7 +118,7 @@ def expected_accepted(probs: list[float]) -> float:
 def replay(records, drafter: NGrammysDrafter, tables: list[NodeAcceptance], rule: str, k: int,
            draft_model=None) -> dict:
     """Calls and emitted tokens of ``rule`` over the replies of ``records``; ``tables``: the acceptance
-    estimates, one per outcome of the request's last chain (:func:`specdec.drafters.base.last_outcome`) for
+    estimates, one per outcome of the request's last chain (:func:`specdec.contracts.last_outcome`) for
     ``best-history``; ``draft_model``: the causal LM that scores drafts for ``draft``."""
     from transformers import DynamicCache
 

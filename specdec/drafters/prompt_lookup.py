@@ -17,7 +17,7 @@ class PromptLookupDrafter(Drafter):
     loop's planner cuts to the length with the most expected tokens per second when the budget carries
     the step cost: where a longer verification is nearly free drafts stay long, where it is not, weak
     matches draft little. With ``history`` the estimates are kept per matched size and per outcome of the
-    row's own last verified draft (:func:`specdec.drafters.base.last_outcome`).
+    row's own last verified draft (:func:`specdec.contracts.last_outcome`).
     """
 
     def __init__(self, num_tokens: int = 10, n_min: int = 1, n_max: int = 4, acceptance=None, history: bool = True):

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from specdec import kernels
-from specdec.drafters.base import OUTCOMES, DecodeState, last_outcome, with_outcome
+from specdec.contracts import OUTCOMES, DecodeState, last_outcome, with_outcome
 from specdec.policies.acceptance import AcceptanceModel
 from specdec.policies.batch_length import LinearStepCost, plan_lengths
 
