@@ -6,9 +6,10 @@ drafts within, the stop rule it consults, the step cost it may plan with, and th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
+
 
 @dataclass
 class DecodeState:
@@ -162,7 +163,6 @@ class Budget:
         return torch.tensor(self.max_depth, dtype=torch.int64, device=device)
 
 
-@runtime_checkable
 class LengthPolicy(Protocol):
     """Each step's drafting budget per row, learned from what verification accepted
     (:class:`specdec.policies.StaticLength` and its kind). The decode loop calls, per generation, ``begin``, then

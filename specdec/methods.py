@@ -215,8 +215,8 @@ class Built:
     def __post_init__(self):
         if (self.drafter is None) == (self.loop is None):
             raise TypeError("a method builds a drafter (and its policy) or a loop of its own, exactly one")
-        if self.loop is not None and self.policy is not None:
-            raise TypeError("a method's own loop keeps its own length policy")
+        if (self.loop is None) == (self.policy is None):
+            raise TypeError("a drafter comes with its length policy; a method's own loop keeps its own")
 
     @property
     def needs_hidden(self) -> bool:
@@ -227,7 +227,7 @@ class Built:
         """Cache room past the longest sequence for one step's drafts."""
         if self.loop is not None:
             return self.loop.margin
-        return tree_margin(self.drafter, self.policy or StaticLength(64), max_new_tokens)
+        return tree_margin(self.drafter, self.policy, max_new_tokens)
 
 
 @dataclass(frozen=True)

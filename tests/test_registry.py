@@ -98,7 +98,7 @@ def test_build_returns_one_type():
 
     assert methods.Built(loop=Loop()).margin(100) == 7
     for bad in (dict(), dict(drafter=drafter, loop=Loop()), dict(loop=Loop(), policy=policy)):
-        with pytest.raises(TypeError, match="exactly one|own length policy"):
+        with pytest.raises(TypeError, match="exactly one|its length policy"):
             methods.Built(**bad)
     target = tiny_model("llama")
     dec = SpecDecoder(target, draft=perturbed(target, 0.6))

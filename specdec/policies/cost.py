@@ -1,6 +1,8 @@
 """The target's measured step cost: seconds of one forward over ``T`` tree tokens."""
 from __future__ import annotations
 
+from specdec.policies import planner
+
 
 class StepCost:
     """Measured seconds of one target forward over ``T`` tree tokens per row, interpolated between samples.
@@ -111,17 +113,13 @@ class StepCost:
         (``1 + `` their reach): :func:`specdec.policies.planner.best_size` on this table, the planner's rule
         handed to drafters with their budget. ``costs``: :meth:`costs` of at least ``len(reach) + 1`` if the
         caller has it."""
-        from specdec.policies.planner import best_size  # the planner imports this module
-
-        return best_size(reach, self.costs(len(reach) + 1) if costs is None else costs)
+        return planner.best_size(reach, self.costs(len(reach) + 1) if costs is None else costs)
 
     def marginal_bar(self, tokens: float, seconds: float, extra_seconds: float) -> float:
         """:func:`specdec.policies.planner.marginal_bar`: the expected tokens that ``extra_seconds`` of work must
         add to a step emitting ``tokens`` in ``seconds`` (for drafters, which receive the planner with this
         table)."""
-        from specdec.policies.planner import marginal_bar
-
-        return marginal_bar(tokens, seconds, extra_seconds)
+        return planner.marginal_bar(tokens, seconds, extra_seconds)
 
     @classmethod
     def calibrate(cls, runner, context: int = 128, repeats: int = 3, sizes=SIZES, extra_inputs=None, rows: int = 1,
