@@ -112,7 +112,6 @@ class _DraftCore:
     def begin(self, batch_size: int, capacity: int, depth: int, sampling: SamplingConfig, proposal_topk: int) -> None:
         self.drafter = DraftModelDrafter(self.runner, sampling, proposal_topk)  # seeded from the sampling config
         self.runner.reset(batch_size, capacity + depth + 1)
-        self.drafter._seen = [0] * batch_size
 
     def keep_rows(self, rows: list[int]) -> None:
         self.runner.drop_pending()  # the last window's nodes, if any were left pending
@@ -123,8 +122,7 @@ class _DraftCore:
         """``(tokens [B,G], q [B,G,k] or None, forwards)`` on the host for :meth:`ConcurrentDraft.submit`'s
         arguments (``seq`` on the host; the draft may run on another device)."""
         d = self.drafter
-        d.runner.rollback(keep)
-        d._seen = [min(s, k) for s, k in zip(d._seen, keep)]
+        d.rollback(keep)
         calls = d.draft_calls
         dev = self.runner.device
         state = DecodeState(seq.to(dev), torch.tensor(lens, device=dev), list(lens))

@@ -54,3 +54,40 @@ def test_registrations_are_explicit():
             "register_attention()\n"
             "assert 'specdec' in AttentionInterface._global_mapping\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+# Reads of another object's private attribute that are not specdec's business: the same class's own factory,
+# and torch's compiled-function record (a library object whose field shares a name with one of ours).
+_FOREIGN_PRIVATE = {("specdec/distill/corpus.py", "_save_manifest"), ("specdec/precompile.py", "_artifacts")}
+
+
+def test_modules_use_each_other_through_public_names():
+    """Composition by contract: no specdec module reads or writes another object's private members (GSD and
+    Ouroboros call the draft model's public component, PEARL's worker its rollback), so a private name can
+    change inside its own class."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    trees = {p.relative_to(root).as_posix(): ast.parse(p.read_text()) for p in (root / "specdec").rglob("*.py")}
+    ours = set()  # private names specdec defines: methods, functions, and attributes set on self
+    for tree in trees.values():
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("_"):
+                ours.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                ours.add(n.attr)
+    found = []
+    for path, tree in trees.items():
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
+                continue
+            if n.attr not in ours or (path, n.attr) in _FOREIGN_PRIVATE:
+                continue
+            v = n.value
+            if isinstance(v, ast.Name) and v.id in ("self", "cls"):
+                continue
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+                continue
+            found.append(f"{path}:{n.lineno}: {ast.unparse(n)}")
+    assert not found, "\n".join(found)

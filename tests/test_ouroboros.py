@@ -260,7 +260,7 @@ def test_a_warm_pool_from_other_prompts_never_changes_an_output(dec):
 
 def the_pool(dec) -> PhrasePool:
     """The decoder's most recently made phrase pool."""
-    return [v for k, v in dec._acceptance.items() if k[-1] == "pool"][-1]
+    return [v for k, v in dec._learned.items() if k[-1] == "pool"][-1]
 
 
 def test_history_off_starts_every_generation_cold(dec):
@@ -345,7 +345,7 @@ def test_draft_cache_keeps_only_what_the_committed_text_confirms(monkeypatch):
             if n == 0 or not chains[r]:
                 continue
             start = state.seq_lens_host[r] - n
-            cached = max(0, self.base._seen[r] - start)  # this step's chain tokens the draft cache kept
+            cached = max(0, self.base.seen[r] - start)  # this step's chain tokens the draft cache kept
             assert cached <= len(chains[r]) and seq[r][start: start + cached] == chains[r][:cached]
             diverged += n > 1 and seq[r][start] != chains[r][0]  # accepted tokens, but not the chain's
 

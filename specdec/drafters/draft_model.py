@@ -40,10 +40,9 @@ class DraftModelDrafter(Drafter):
         self.proposal_topk = proposal_topk
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed((sampling.seed if sampling.seed is not None else torch.seed()) + 7919)
-        self._seen: list[int] = []  # host mirror of the draft cache lengths
         model = runner.model
         self.vocab_map: torch.Tensor | None = getattr(model, "draft_vocab", None)  # draft id -> target id
-        self._mode = model.reduced_logits if self.vocab_map is not None else contextlib.nullcontext
+        self._reduced = model.reduced_logits if self.vocab_map is not None else contextlib.nullcontext
         self.target_vocab = model.config.get_text_config().vocab_size
         self.margin = 8  # cache room past the longest sequence (a drafter growing trees in the pending region needs more)
 
@@ -52,15 +51,28 @@ class DraftModelDrafter(Drafter):
 
     def keep_rows(self, rows: list[int]) -> None:
         self.runner.keep_rows(rows)  # nothing is pending: update() rolled the draft cache back
-        self._seen = [self._seen[r] for r in rows]
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
-        b = state.seq.shape[0]
-        self.runner.reset(b, state.seq.shape[1] + self.margin)
-        self._seen = [0] * b
+        self.runner.reset(state.seq.shape[0], state.seq.shape[1] + self.margin)
 
-    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, SparseProbs | None]:
+    # ---- the model-draft component: what drafters built on one draft model (GSD, Ouroboros) call ----
+
+    @property
+    def seen(self) -> list[int]:
+        """Per row, the committed tokens the draft cache holds (host ints, ``[B]``): the next catch-up starts there."""
+        return self.runner.lengths_host
+
+    def reserve(self, nodes: int) -> None:
+        """Make room in the draft cache, from the next :meth:`begin`, for ``nodes`` pending nodes past the longest
+        sequence (a drafter that grows trees or windows in the draft's pending region needs more than a chain)."""
+        self.margin = max(self.margin, nodes + 8)
+
+    def forward_mode(self):
+        """The context the draft's forwards run in: its reduced-vocabulary head where it has one."""
+        return self._reduced()
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, SparseProbs | None]:
         """The drafted token ``[B]`` (target ids) from the draft's logits ``[B, V]`` and, when sampling,
         the proposal it was drawn from (``[B, 1, k]``)."""
         if self.sampling.greedy:
@@ -89,7 +101,7 @@ class DraftModelDrafter(Drafter):
         return max(state.seq_lens_host) + depth <= self.runner.max_positions
 
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
-        with self._mode():
+        with self.forward_mode():
             return self._propose(state, budget)
 
     def _propose(self, state: DecodeState, budget: Budget) -> DraftTree:
@@ -98,13 +110,13 @@ class DraftModelDrafter(Drafter):
             return DraftTree.chain(state.roots)
         b = state.seq.shape[0]
         dev = state.seq.device
-        logits, hidden = self._catch_up(state)
+        logits, hidden = self.catch_up(state)
         tokens, probs = [], []
         # Rows still drafting; None while every row drafts to the same depth and no rule may stop one.
         depth = budget.row_depth(dev)
         going = None if budget.stop is None and min(budget.max_depth) == max_len else depth > 0
         for i in range(max_len):
-            tok, q = self._pick(logits)
+            tok, q = self.pick(logits)
             if going is not None:
                 tok = tok.masked_fill(~going, -1)  # a stopped row's chain ends at its first -1
                 if budget.stop is not None:
@@ -116,63 +128,61 @@ class DraftModelDrafter(Drafter):
                 break
             if i + 1 < max_len:
                 logits, hidden = self.runner.forward_tree(DraftTree.chain(tok.clamp(min=0)), self.needs_hidden,
-                                                          self._step_inputs(hidden))
+                                                          self.step_inputs(hidden))
                 logits = logits[:, 0]
                 hidden = hidden[:, 0] if hidden is not None else None
-                self._commit(torch.zeros(b, 1, dtype=torch.int64, device=dev), torch.ones(b, dtype=torch.int64, device=dev),
-                             [s + 1 for s in self._seen])
+                self.runner.commit(torch.zeros(b, 1, dtype=torch.int64, device=dev),
+                                   torch.ones(b, dtype=torch.int64, device=dev), True, [1] * b)
                 self.draft_calls += 1
         drafts = torch.stack(tokens, dim=1)
         q = None if self.sampling.greedy else SparseProbs.cat(probs)
         return DraftTree.chain(state.roots, drafts, q)
 
-    def _catch_up(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def catch_up(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed the committed tokens the draft has not seen (the root, and the previous step's accepted
         drafts and next token) in one forward and commit them. Returns the draft's logits ``[B,V]`` and
         (``needs_hidden``) last hidden state ``[B,H]`` at each row's root."""
         b = state.seq.shape[0]
         dev = state.seq.device
-        todo = [state.seq_lens_host[r] - self._seen[r] for r in range(b)]
+        todo = [state.seq_lens_host[r] - self.seen[r] for r in range(b)]
         width = max(todo)
-        idx = torch.tensor(self._seen, device=dev)[:, None] + torch.arange(width, device=dev)
+        idx = torch.tensor(self.seen, device=dev)[:, None] + torch.arange(width, device=dev)
         pad = torch.arange(width, device=dev)[None] >= torch.tensor(todo, device=dev)[:, None]
         chunk = state.seq.gather(1, idx.clamp(max=state.seq.shape[1] - 1)).masked_fill(pad, -1)
         catch_up = DraftTree.chain(chunk[:, 0], chunk[:, 1:])
-        logits, hidden = self.runner.forward_tree(catch_up, self.needs_hidden, self._catch_up_inputs(idx))
+        logits, hidden = self.runner.forward_tree(catch_up, self.needs_hidden, self.catch_up_inputs(idx))
         last = torch.tensor(todo, device=dev) - 1
         rows = torch.arange(b, device=dev)
         logits = logits[rows, last]
         hidden = hidden[rows, last] if hidden is not None else None
         counts = torch.tensor(todo, device=dev)
-        self._commit(torch.arange(width, device=dev).expand(b, width), counts, [s + t for s, t in zip(self._seen, todo)])
+        self.runner.commit(torch.arange(width, device=dev).expand(b, width), counts, True, todo)
         self.draft_calls += 1
         return logits, hidden
 
-    def _catch_up_inputs(self, positions: torch.Tensor) -> dict | None:
+    def catch_up_inputs(self, positions: torch.Tensor) -> dict | None:
         """Extra model inputs for the catch-up nodes at ``positions [B,W]`` (none for a plain draft)."""
         return None
 
-    def _frontier_inputs(self, hidden: torch.Tensor | None) -> dict | None:
+    def frontier_inputs(self, hidden: torch.Tensor | None) -> dict | None:
         """Extra model inputs for ``F`` new nodes of a tree, given their parents' draft hidden states
         ``[B,F,H]`` (none for a plain draft)."""
         return None
 
-    def _step_inputs(self, hidden: torch.Tensor | None) -> dict | None:
+    def step_inputs(self, hidden: torch.Tensor | None) -> dict | None:
         """Extra model inputs for the next drafted token, given the draft's last hidden state ``[B,H]``."""
         return None
 
-    def _keep(self, state: DecodeState) -> list[int]:
+    def valid_prefix(self, state: DecodeState) -> list[int]:
         """Draft cache entries still valid after verification: the committed prefix the draft has
         computed, i.e. up to the last accepted draft token it has seen (``state`` now includes the
         accepted tokens and the next token)."""
-        return [min(seen, total - 1) for seen, total in zip(self._seen, state.seq_lens_host)]
+        return [min(seen, total - 1) for seen, total in zip(self.seen, state.seq_lens_host)]
 
-    def _commit(self, path, counts, seen):
-        self.runner.commit(path, counts, True, [n - m for n, m in zip(seen, self._seen)])
-        self._seen = seen
+    def rollback(self, keep: list[int]) -> None:
+        """Forget the draft cache past ``keep`` tokens per row (host ints, ``[B]``), as :meth:`valid_prefix` says."""
+        self.runner.rollback(keep)
 
     def update(self, state: DecodeState, tree: DraftTree, path: torch.Tensor, path_len: list[int],
                drafted: list[int]) -> None:
-        keep = self._keep(state)
-        self.runner.rollback(keep)
-        self._seen = keep
+        self.rollback(self.valid_prefix(state))

@@ -48,9 +48,9 @@ class FeatureDraftDrafter(DraftModelDrafter):
         self._nfeat = self._nfeat.index_select(0, torch.tensor(rows, dtype=torch.int64, device=self._nfeat.device))
         self._proposed_at = [self._proposed_at[r] for r in rows]
 
-    def _catch_up(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def catch_up(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._proposed_at = list(state.seq_lens_host)  # positions below it are read with the target's states
-        return super()._catch_up(state)
+        return super().catch_up(state)
 
     def add_hidden(self, hidden: torch.Tensor, counts: torch.Tensor) -> None:
         b, n, _ = hidden.shape
@@ -65,17 +65,17 @@ class FeatureDraftDrafter(DraftModelDrafter):
         cols = positions.clamp(max=self._feat.shape[1] - 1)
         return self._feat.gather(1, cols[..., None].expand(-1, -1, self._feat.shape[2]))
 
-    def _catch_up_inputs(self, positions: torch.Tensor) -> dict:
+    def catch_up_inputs(self, positions: torch.Tensor) -> dict:
         # The token at position t is paired with f_{t-1}, stored in column t.
         return {"target_hidden": self._gather_feat(positions)}
 
-    def _frontier_inputs(self, hidden: torch.Tensor | None) -> dict:
+    def frontier_inputs(self, hidden: torch.Tensor | None) -> dict:
         return {"target_hidden": hidden}
 
-    def _step_inputs(self, hidden: torch.Tensor | None) -> dict:
+    def step_inputs(self, hidden: torch.Tensor | None) -> dict:
         return {"target_hidden": hidden[:, None]}
 
-    def _keep(self, state: DecodeState) -> list[int]:
+    def valid_prefix(self, state: DecodeState) -> list[int]:
         # Only positions read with the target's own state stay: those before this step's drafts (and,
         # as for any draft, never the pending root, so a finished row still has a token to read).
-        return [min(seen, at, total - 1) for seen, at, total in zip(self._seen, self._proposed_at, state.seq_lens_host)]
+        return [min(seen, at, total - 1) for seen, at, total in zip(self.seen, self._proposed_at, state.seq_lens_host)]

@@ -111,7 +111,7 @@ class GraphDrafter(Drafter):
         self._planning = calibration is not None and cost is not None and draft_seconds is not None
         self.needs_hidden = base.needs_hidden
         self.keeps_rows = base.keeps_rows  # the per-row state is the base draft's (graphs live for one step)
-        self.base.margin = max_nodes + 8
+        base.reserve(max_nodes)
         self._graphs: list[DraftGraph | None] = []
         self._stats = self._fresh_stats()
 
@@ -139,7 +139,7 @@ class GraphDrafter(Drafter):
         self._graphs = []  # the last step's graphs, already learned from in update()
 
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
-        with self.base._mode():
+        with self.base.forward_mode():
             tree = self._propose(state, budget)
         self.draft_calls = self.base.draft_calls
         return tree
@@ -174,7 +174,7 @@ class GraphDrafter(Drafter):
         self._graphs = [None] * b
         if budget.depth < 1 or not self.base.fits(state, min(budget.depth, self.max_depth)):
             return DraftTree.chain(state.roots)
-        logits, hidden = self.base._catch_up(state)
+        logits, hidden = self.base.catch_up(state)
         logits, hidden = logits[:, None], None if hidden is None else hidden[:, None]
         roots = state.roots.tolist()
         limits = [min(d, self.max_depth) for d in budget.max_depth]
@@ -225,7 +225,7 @@ class GraphDrafter(Drafter):
             ids, depth, cols = ids.to(dev), depth.to(dev), cols.to(dev)
             extra = None
             if hidden is not None:
-                extra = self.base._frontier_inputs(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])))
+                extra = self.base.frontier_inputs(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])))
             logits, hidden = self.base.runner.forward_pending(ids, base_pos[:, None] + depth, packed,
                                                               self.needs_hidden, extra)
             self.base.draft_calls += 1

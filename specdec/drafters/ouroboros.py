@@ -186,7 +186,7 @@ class OuroborosDrafter(Drafter):
         self.phrase_len = pool.phrase_len
         draft_tree = 1 + (n_verify * self.phrase_len + window_size(window, level) if lookahead else 0)
         # The first forward of a step also feeds the tokens accepted last step (at most gamma + P + 1).
-        self.base.margin = draft_tree + gamma + self.phrase_len + 8
+        base.reserve(draft_tree + gamma + self.phrase_len)
         self.keeps_rows = base.keeps_rows  # per row: the base draft's cache and the lookahead windows
         self._windows: list[JacobiWindow | None] = []
         self._chains: list[list[int]] = []
@@ -234,7 +234,7 @@ class OuroborosDrafter(Drafter):
         self._tries, self._chains, self._tops = [], [], []  # the last step's, already learned from in update()
 
     def propose(self, state: DecodeState, budget: Budget) -> DraftTree:
-        with self.base._mode():
+        with self.base.forward_mode():
             tree = self._propose(state, budget)
         self.draft_calls = self.base.draft_calls
         return tree
@@ -266,7 +266,7 @@ class OuroborosDrafter(Drafter):
         """The draft's pick at every node of ``logits [B,T,V]``: tokens ``[B,T]`` (target ids) and, when
         sampling, the proposals ``[B,T,K]``; plus the draft's probability of each greedy pick (for estimates)."""
         b, t, v = logits.shape
-        tok, q = self.base._pick(logits.reshape(b * t, v))
+        tok, q = self.base.pick(logits.reshape(b * t, v))
         top = None
         if self.calibration is not None:
             top = logits.reshape(b * t, v).float().softmax(-1).amax(-1).view(b, t)
@@ -289,7 +289,7 @@ class OuroborosDrafter(Drafter):
         tops: list[list[float]] = [[] for _ in range(b)]
         # The first forward feeds the committed tokens the draft has not seen (the root last) and its tree hangs
         # off the root; later ones feed the chain's last token.
-        seen, ends = self.base._seen, state.seq_lens_host
+        seen, ends = self.base.seen, state.seq_lens_host
         lo = min(seen)
         window = state.seq[:, lo: max(ends)].tolist()  # one transfer
         prefixes = [window[r][seen[r] - lo: ends[r] - lo] for r in range(b)]
@@ -364,9 +364,7 @@ class OuroborosDrafter(Drafter):
         path_t = torch.full((b, max(counts)), -1, dtype=torch.int64)
         for r, p in enumerate(paths):
             path_t[r, : len(p)] = torch.tensor(p, dtype=torch.int64)
-        base = self.base
-        base.runner.commit(path_t.to(dev), torch.tensor(counts, device=dev), False, counts)
-        base._seen = [s + c for s, c in zip(base._seen, counts)]
+        self.base.runner.commit(path_t.to(dev), torch.tensor(counts, device=dev), False, counts)  # seen grows by counts
 
     def _window_update(self, tries, window_at, logits: torch.Tensor, keys: list[int]) -> None:
         rows = [r for r in range(len(tries)) if window_at[r] >= 0]
@@ -480,7 +478,7 @@ class OuroborosDrafter(Drafter):
                drafted: list[int]) -> None:
         # The draft's cache holds the drafted chain; keep only what the committed text agrees with (the target
         # may have taken a phrase branch instead of the chain, so the accepted length alone does not say).
-        keep = self.base._keep(state)
+        keep = self.base.valid_prefix(state)
         ends = state.seq_lens_host
         rows = [r for r, n in enumerate(path_len) if n > 0]
         if rows:
@@ -495,8 +493,7 @@ class OuroborosDrafter(Drafter):
                 keep[r] = min(keep[r], start + same)
                 if self.context:
                     self._feed_context(text[r], start - lo, ends[r] - lo)
-        self.base.runner.rollback(keep)
-        self.base._seen = keep
+        self.base.rollback(keep)
         if self._verdict is None or not any(t is not None for t in self._tries):
             return
         verified, verdict = self._verdict
