@@ -53,16 +53,16 @@ class DecodeState:
         self.seq, self.seq_lens = self.seq.index_select(0, index), self.seq_lens.index_select(0, index)
         self.seq_lens_host = [self.seq_lens_host[r] for r in rows]
 
-    def advance(self, step) -> None:
-        """Append what a verification step emitted: ``step.emitted [B,W]``, ``step.path_len [B]`` tokens of
-        each row (host copy ``step.lengths``)."""
-        width = step.emitted.shape[1]
+    def advance(self, emitted: torch.Tensor, counts: torch.Tensor, counts_host: list[int]) -> None:
+        """Append what a verification step emitted: the first ``counts [B]`` of each row's ``emitted [B,W]``
+        tokens (``counts_host``: the same counts on the host)."""
+        width = emitted.shape[1]
         ar = torch.arange(width, device=self.seq.device)
-        keep = ar[None] < step.path_len[:, None]
+        keep = ar[None] < counts[:, None]
         pos = torch.where(keep, self.seq_lens[:, None] + ar, 0)
-        self.seq.scatter_(1, pos, torch.where(keep, step.emitted, self.seq[:, :1]))
-        self.seq_lens += step.path_len
-        self.seq_lens_host = [s + n for s, n in zip(self.seq_lens_host, step.lengths)]
+        self.seq.scatter_(1, pos, torch.where(keep, emitted, self.seq[:, :1]))
+        self.seq_lens += counts
+        self.seq_lens_host = [s + n for s, n in zip(self.seq_lens_host, counts_host)]
 
 
 OUTCOMES = 4  # what a request's last verified draft did: none yet, rejected, partly accepted, wholly accepted

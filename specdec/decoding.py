@@ -240,7 +240,7 @@ def speculative_generate(
             drafter.observe_verdict(tree, verdict)
         step = StepOutcome.of(tree, verdict, [not out.done[i] for i in live])
         target.commit(step.path, step.path_len, tree.is_chain, step.lengths)
-        state.advance(step)
+        state.advance(step.emitted, step.path_len, step.lengths)
         active = [r for r, n in enumerate(step.lengths) if n > 0]
         policy.update([step.drafted[r] for r in active], [step.lengths[r] - 1 for r in active], active)
         stats.record(step, active)

@@ -49,7 +49,6 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
@@ -268,7 +267,7 @@ def pearl_generate(
             # one transfer to the host: per row path length, has_next, tokens emitted, KV kept, the tokens
             host = torch.cat([torch.stack([path_len, has_next.long(), emitted_n, keep_kv], 1), emitted], 1).tolist()
             target.commit(verdict.path, keep_kv, True, [h[3] for h in host])
-            state.advance(SimpleNamespace(emitted=emitted, path_len=emitted_n, lengths=[h[2] for h in host]))
+            state.advance(emitted, emitted_n, [h[2] for h in host])
             for r in range(b):
                 if not verify_row[r]:
                     continue
