@@ -125,7 +125,7 @@ class SpecDecoder:
             if mode == "auto" else None
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None
-        self._acceptance: dict = {}  # acceptance tables learned across calls: one model, one workload
+        self._learned: dict = {}  # acceptance tables learned across calls: one model, one workload
         self._draft_seconds: dict[str, float] = {}
         self._workers: dict = {}  # draft backends that run beside the target (PEARL), per kind and draft
         self._references: dict[tuple[int, ...], list[int]] = {}  # the oracle's greedy reference runs
@@ -256,14 +256,14 @@ class SpecDecoder:
 
     def reset_learned(self) -> None:
         """Forget what methods learned across calls (acceptance tables, DISCO calibration), for a fair start."""
-        self._acceptance.clear()
+        self._learned.clear()
 
-    def acceptance(self, key: tuple, make):
-        """The acceptance table stored under ``key``, made by ``make()`` on first use: methods learn
-        acceptance across calls (one decoder, one workload), one table per method and option set."""
-        if key not in self._acceptance:
-            self._acceptance[key] = make()
-        return self._acceptance[key]
+    def learned(self, key: tuple, make):
+        """The state stored under ``key`` (acceptance tables, phrase pools, calibrations), made by ``make()`` on
+        first use: methods learn across calls (one decoder, one workload), one store per method and option set."""
+        if key not in self._learned:
+            self._learned[key] = make()
+        return self._learned[key]
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         """Token ids of ``prompt``, through the chat template when ``chat`` and the tokenizer has one."""
@@ -314,7 +314,7 @@ class SpecDecoder:
             if built is not None and built.policy is not None:  # a batch's steps have their own costs
                 built.policy.prepare_batch(self.runner, len(rows))
             if governor is None and isinstance(opts, methods.GovernedOptions) and opts.govern:
-                governor = self.acceptance(("governor", method, opts), DraftGovernor)
+                governor = self.learned(("governor", method, opts), DraftGovernor)
             if built is None:
                 res = autoregressive_generate(self.runner, rows, max_new_tokens, sampling, self.eos)
             elif built.loop is not None:

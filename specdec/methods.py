@@ -6,9 +6,8 @@ drafter and length policy (or a decode loop of its own). ``SpecDecoder.generate_
 (flags and ``--help``) and the ``specdec bench`` labels (``name:key=value:...``) are all derived from
 :data:`REGISTRY`; adding a method means adding one declaration here (or calling :func:`register` from outside).
 
-Builders receive the decoder as ``dec`` and use only its public helpers (``get_draft``,
-``step_cost``, ``ngram_tables``, ``ngram_corpus``, ``acceptance``), so this module does not import
-the API above it.
+Builders receive a :class:`BuildContext` as ``dec`` (the decoder satisfies it) and use nothing else of
+it, so this module does not import the API above it.
 """
 from __future__ import annotations
 
@@ -17,7 +16,8 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from specdec.contracts import LengthPolicy
 from specdec.decoding import DecodeResult, tree_margin
@@ -202,6 +202,53 @@ class OwnLoop(Protocol):
                  eos_token_ids: set[int], governor: DraftGovernor | None) -> DecodeResult: ...
 
 
+@runtime_checkable
+class BuildContext(Protocol):
+    """What a method's builder may use of the decoder it builds on: the models, measured costs, shared tables,
+    and state learned across calls. ``SpecDecoder`` satisfies it; a test builds against a fake one."""
+
+    model: Any  # the target (a transformers PreTrainedModel)
+    runner: ModelRunner  # the target's runner
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decoding runs through the compiled graphs now."""
+
+    def get_draft(self, name: str | None = None) -> tuple[Any, ModelRunner]:
+        """The draft model and its runner: the default one, or the one loaded as ``name``."""
+
+    def draft_names(self) -> list[str]:
+        """The loaded drafts' names, the default first."""
+
+    def draft_seconds(self, name: str | None = None) -> float:
+        """Seconds of one draft forward (one token), measured on first use per draft."""
+
+    def draft_backend(self, name: str, kind: str = "process") -> tuple[Any, int | None]:
+        """A backend drafting with draft ``name`` beside the target (PEARL) and the core it keeps to."""
+
+    def step_cost(self) -> StepCost:
+        """The target's measured step cost per tree size."""
+
+    def ngram_tables(self) -> Any:
+        """The target's unigram and bigram tables."""
+
+    def ngram_corpus(self) -> Any:
+        """The n-gram corpus (None: none)."""
+
+    def disco_path(self, name: str) -> Path:
+        """The DISCO classifier shipped with draft ``name``."""
+
+    def reference_tokens(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """The target's own greedy continuation of ``prompt`` (memoised)."""
+
+    def references(self) -> dict[tuple[int, ...], list[int]]:
+        """Every reference run so far (prompt tuple -> new tokens)."""
+
+    def learned(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """The state stored under ``key`` (acceptance tables, phrase pools, calibrations), made by ``make()``
+        on first use: methods learn across calls, one store per method and option set."""
+
+
 @dataclass(frozen=True)
 class Built:
     """What a method's ``build`` returns: a drafter and its length policy for the shared decode loop
@@ -244,8 +291,8 @@ class Method:
     summary: str
     options: type = NoOptions
     needs_draft: bool = False
-    build: Callable[[Any, Any, SamplingConfig], Built] | None = None
-    prepare: Callable[[Any, Any, list[list[int]], int, SamplingConfig], None] | None = None
+    build: Callable[[BuildContext, Any, SamplingConfig], Built] | None = None
+    prepare: Callable[[BuildContext, Any, list[list[int]], int, SamplingConfig], None] | None = None
 
     def parse(self, given: dict) -> Any:
         """The options dataclass from ``given`` (name -> value; strings from labels are converted to
@@ -308,15 +355,15 @@ def _length_policy(schedule: str, k: int, max_k: int, cost: StepCost | None = No
     return StaticLength(k, cost=cost, stop=stop)
 
 
-def _build_pld(dec, o: PLDOptions, sampling: SamplingConfig):
+def _build_pld(dec: BuildContext, o: PLDOptions, sampling: SamplingConfig):
     cost = o.schedule == "cost"
-    acceptance = dec.acceptance(("pld", o.history), AcceptanceModel) if cost else None
+    acceptance = dec.learned(("pld", o.history), AcceptanceModel) if cost else None
     drafter = PromptLookupDrafter(o.num_tokens, o.n_min, o.n_max, acceptance=acceptance, history=bool(o.history))
     policy = _length_policy(o.schedule, o.num_tokens, o.num_tokens, dec.step_cost() if cost else None)
     return Built(drafter, policy)
 
 
-def _build_sd(dec, o: SDOptions, sampling: SamplingConfig):
+def _build_sd(dec: BuildContext, o: SDOptions, sampling: SamplingConfig):
     draft, runner = dec.get_draft(o.draft)
     cls = FeatureDraftDrafter if is_feature_draft(draft) else DraftModelDrafter
     drafter = cls(runner, sampling, o.proposal_topk)
@@ -334,7 +381,7 @@ def _build_sd(dec, o: SDOptions, sampling: SamplingConfig):
     name = o.draft or dec.draft_names()[0]
     classifier = DiscoClassifier.load(o.disco or dec.disco_path(name), draft_fingerprint(draft))
     start = classifier.meta.get("calibration", (1.0, 0.0))
-    calibration = dec.acceptance(("disco", name, o.disco), lambda: PlattCalibration(*start))  # learned across calls
+    calibration = dec.learned(("disco", name, o.disco), lambda: PlattCalibration(*start))  # learned across calls
     max_len = o.max_draft_length or int(classifier.meta.get("max_length", 8))
     cost = dec.step_cost() if o.disco_mode == "cost" else None
     seconds = dec.draft_seconds(name) if o.disco_mode == "cost" else None
@@ -342,13 +389,13 @@ def _build_sd(dec, o: SDOptions, sampling: SamplingConfig):
     return Built(drafter, StaticLength(max_len, stop=stop))
 
 
-def _prepare_sd(dec, o: SDOptions, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig):
+def _prepare_sd(dec: BuildContext, o: SDOptions, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig):
     if o.schedule == "oracle":
         for p in prompts:
             dec.reference_tokens(p, max_new_tokens)
 
 
-def _build_ngrammys(dec, o: NGrammysOptions, sampling: SamplingConfig):
+def _build_ngrammys(dec: BuildContext, o: NGrammysOptions, sampling: SamplingConfig):
     c = o.c
     if c is None:  # a few corpus slots where the decoder has a corpus
         with_corpus = dec.ngram_corpus() is not None and o.strategy != "bigram"
@@ -359,14 +406,14 @@ def _build_ngrammys(dec, o: NGrammysOptions, sampling: SamplingConfig):
     acceptance = None
     if cost:  # learned across calls, one table per option set
         key = ("ngrammys",) + tuple(sorted((f.name, getattr(o, f.name)) for f in dataclasses.fields(o)))
-        acceptance = dec.acceptance(key, lambda: NodeAcceptance(o.k, o.w, o.q, o.n_max, corpus=c > 0))
+        acceptance = dec.learned(key, lambda: NodeAcceptance(o.k, o.w, o.q, o.n_max, corpus=c > 0))
     drafter = NGrammysDrafter(tables, k=o.k, w=o.w, q=o.q, n_max=o.n_max, strategy=o.strategy, verify=o.verify,
                               acceptance=acceptance, corpus=dec.ngram_corpus() if c else None, c=c,
                               support=bool(o.support))
     return Built(drafter, StaticLength(o.w, cost=dec.step_cost() if cost else None))
 
 
-def _build_gsd(dec, o: GSDOptions, sampling: SamplingConfig):
+def _build_gsd(dec: BuildContext, o: GSDOptions, sampling: SamplingConfig):
     draft, runner = dec.get_draft(o.draft)
     cls = FeatureDraftDrafter if is_feature_draft(draft) else DraftModelDrafter
     schedule = o.schedule or ("cost" if o.siblings == "topk" else "static")
@@ -377,7 +424,7 @@ def _build_gsd(dec, o: GSDOptions, sampling: SamplingConfig):
     if schedule == "cost":  # learned across calls, per draft and sampling configuration
         name = o.draft or dec.draft_names()[0]
         key = ("gsd", name, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
-        calibration = dec.acceptance(key, ProbabilityCalibration)
+        calibration = dec.learned(key, ProbabilityCalibration)
         cost, seconds = dec.step_cost(), dec.draft_seconds(name)
     drafter = GraphDrafter(cls(runner, sampling, o.proposal_topk), sampling, k=o.k, tau=o.tau,
                            prob_threshold=o.prob_threshold, sibling_threshold=o.sibling_threshold,
@@ -386,7 +433,7 @@ def _build_gsd(dec, o: GSDOptions, sampling: SamplingConfig):
     return Built(drafter, StaticLength(o.max_depth, cost=cost))
 
 
-def _build_ouroboros(dec, o: OuroborosOptions, sampling: SamplingConfig):
+def _build_ouroboros(dec: BuildContext, o: OuroborosOptions, sampling: SamplingConfig):
     draft, runner = dec.get_draft(o.draft)
     name = o.draft or dec.draft_names()[0]
     if is_feature_draft(draft):
@@ -406,20 +453,20 @@ def _build_ouroboros(dec, o: OuroborosOptions, sampling: SamplingConfig):
             return PhrasePool.load(o.pool_file, vocab, o.capacity, o.phrase_len, max_source=len(SOURCES) - 1)
         return PhrasePool(vocab, o.capacity, o.phrase_len)
 
-    pool = dec.acceptance(key + ("pool",), make_pool)
-    calibration = dec.acceptance(key + ("calibration",), ProbabilityCalibration) if schedule == "cost" else None
+    pool = dec.learned(key + ("pool",), make_pool)
+    calibration = dec.learned(key + ("calibration",), ProbabilityCalibration) if schedule == "cost" else None
     drafter = OuroborosDrafter(DraftModelDrafter(runner, sampling, o.proposal_topk), sampling, pool, gamma=o.gamma,
                                k=o.k, window=o.w, level=o.n, n_verify=o.n_verify, lookahead=bool(o.lookahead),
                                lengthen=bool(o.lengthen), verification=bool(o.verification),
                                history=bool(o.history), context=bool(o.context), attach=o.attach, order=o.order,
                                calibration=calibration,
-                               rates=dec.acceptance(key + ("rates",), lambda: PhraseRates(o.phrase_len)),
+                               rates=dec.learned(key + ("rates",), lambda: PhraseRates(o.phrase_len)),
                                pool_file=o.pool_file)
     depth = o.gamma + (o.phrase_len if o.lengthen and o.k else 0)
     return Built(drafter, StaticLength(depth, cost=dec.step_cost() if schedule == "cost" else None))
 
 
-def _build_pearl(dec, o: PearlOptions, sampling: SamplingConfig):
+def _build_pearl(dec: BuildContext, o: PearlOptions, sampling: SamplingConfig):
     draft, _ = dec.get_draft(o.draft)
     name = str(o.draft) if o.draft is not None else dec.draft_names()[0]
     if is_feature_draft(draft):
@@ -432,7 +479,7 @@ def _build_pearl(dec, o: PearlOptions, sampling: SamplingConfig):
         if o.window == "fixed":
             return WindowLength(o.gamma)
         # costs on the one thread the target runs at, learned across calls
-        cost = dec.acceptance(("pearl", "cost", dec.compiled), lambda: one_thread_cost(dec))
+        cost = dec.learned(("pearl", "cost", dec.compiled), lambda: one_thread_cost(dec))
         return WindowLength(o.gamma, True, o.max_gamma, cost, dec.draft_seconds(name))
 
     largest = o.gamma if o.window == "fixed" else o.max_gamma
@@ -441,7 +488,7 @@ def _build_pearl(dec, o: PearlOptions, sampling: SamplingConfig):
                                     bool(o.pre_verify), bool(o.post_verify), o.proposal_topk, positions))
 
 
-def one_thread_cost(dec) -> StepCost:
+def one_thread_cost(dec: BuildContext) -> StepCost:
     """The target's step cost measured on one intra-op thread (the thread PEARL's target runs on)."""
     with one_thread():
         return StepCost.calibrate(dec.runner, sizes=tuple(range(1, 10)))

@@ -85,6 +85,32 @@ def test_cli_reports_bad_options_clearly(capsys):
         main(["generate", "--method", "pld", "--strategy", "magic", "--prompt", "x"])
 
 
+def test_builders_use_only_the_build_context():
+    """A builder sees the decoder through methods.BuildContext alone: every method builds on a view that
+    exposes nothing else, and the decoder satisfies the protocol."""
+    members = {n for n in vars(methods.BuildContext) if not n.startswith("_")} | set(methods.BuildContext.__annotations__)
+
+    class OnlyContext:
+        def __init__(self, dec):
+            self._dec = dec
+
+        def __getattr__(self, name):
+            if name not in members:
+                raise AssertionError(f"a builder read dec.{name}, which BuildContext does not declare")
+            return getattr(self._dec, name)
+
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6))
+    assert isinstance(dec, methods.BuildContext)
+    view = OnlyContext(dec)
+    for name in methods.names():
+        spec = methods.get(name)
+        if spec.build is not None:
+            assert isinstance(spec.build(view, spec.parse({}), SamplingConfig()), methods.Built), name
+    with pytest.raises(AssertionError, match="does not declare"):
+        view.generate_ids
+
+
 def test_build_returns_one_type():
     """Every builder returns a methods.Built: a drafter with its policy, or a loop of its own, never both."""
     from specdec.drafters import PromptLookupDrafter
