@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from specdec import settings
 from specdec.draft_models import register_draft_models
 from specdec.linear import apply_linear_kernel
 
@@ -39,13 +39,13 @@ DRAFTS = {name: Path(__file__).parent / "data" / "drafts" / name for name in ("s
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    return Path(settings.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 
 
 def tables_cache_dir() -> Path:
     """Where model-derived n-gram tables are cached: ``$SPECDEC_TABLES_CACHE`` if set, else
     ``$SPECDEC_CACHE/ngram_tables``."""
-    return Path(os.environ.get("SPECDEC_TABLES_CACHE", cache_dir() / "ngram_tables"))
+    return Path(settings.get("SPECDEC_TABLES_CACHE") or cache_dir() / "ngram_tables")
 
 
 def _gguf_path(name: str) -> Path:

@@ -28,11 +28,11 @@ the CPU go to ``nn.Linear.forward`` (widened as above).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
 
+from specdec import settings
 from specdec.kernels import has_native, native_ops, pack_linear_weight
 
 LINEAR_KERNELS = ("auto", "packed", "skinny", "torch")
@@ -101,7 +101,7 @@ def cpu_has_bf16_dot() -> bool:
     49.2 at 16, 168.2 at 64), and 652.2 / 691.4 at 512, 1309.3 / 1366.9 at 1024
     (model_linears_zen4_dot_long_1t.json), so there the kernel keeps products of up to :data:`BF16_DOT_MAX_ROWS`
     rows, prompts included."""
-    if os.environ.get("SPECDEC_BF16_DOT") == "0":
+    if settings.get("SPECDEC_BF16_DOT") == "0":
         return False
     return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 

@@ -28,7 +28,6 @@ least :data:`WIDE_TREE_SDPA` tokens take SDPA with the dense mask too (torch's f
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,7 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from specdec import kernels, precompile
+from specdec import kernels, precompile, settings
 from specdec.kernels.reference import tree_attention_mask
 from specdec.tree import DraftTree
 
@@ -49,7 +48,7 @@ ATTENTIONS = ("kernel", "sdpa")
 def default_attention(device: torch.device) -> str:
     """``$SPECDEC_ATTN`` if set, else ``"kernel"`` where a tree-attention kernel exists for ``device``
     (the torch reference would be slower than the dense-mask SDPA path), else ``"sdpa"``."""
-    env = os.environ.get("SPECDEC_ATTN")
+    env = settings.get("SPECDEC_ATTN")
     if env:
         if env not in ATTENTIONS:
             raise ValueError(f"SPECDEC_ATTN={env!r}; expected one of {ATTENTIONS}")
@@ -91,7 +90,7 @@ def _wide_tree_sdpa(env: str | None) -> int | None:
 # 0.91 for 16 rows at T = 8; fp32 0.94, 0.59, 0.54 and 1.05. Prompts on an empty cache are not trees: they keep
 # PROMPT_ATTENTION's choice (the kernel skips keys below a sliding window, where a dense mask would cost T^2).
 # None (``$SPECDEC_WIDE_TREE_SDPA=0``): always the kernel.
-WIDE_TREE_SDPA: int | None = _wide_tree_sdpa(os.environ.get("SPECDEC_WIDE_TREE_SDPA"))
+WIDE_TREE_SDPA: int | None = _wide_tree_sdpa(settings.get("SPECDEC_WIDE_TREE_SDPA"))
 
 
 # A ragged batch's prompts are encoded row by row when that computes fewer positions than one padded forward,

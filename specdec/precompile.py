@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from specdec import settings
+
 # Guards kept although they are not on the call's inputs: the process-wide state a graph was traced under.
 _STATE_GUARDS = ("GLOBAL_STATE", "SHAPE_ENV", "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE", "GRAD_MODE",
                  "DETERMINISTIC_ALGORITHMS", "AUTOGRAD_SAVED_TENSORS_HOOKS")
@@ -48,7 +50,7 @@ MAX_SAVED = 32  # graphs per fingerprint: a decoder needs 5-10 (kinds of forward
 
 
 def enabled() -> bool:
-    return os.environ.get("SPECDEC_PRECOMPILE", "1") != "0"
+    return settings.get("SPECDEC_PRECOMPILE", "1") != "0"
 
 
 def _plain(value: Any) -> bool:
@@ -87,8 +89,7 @@ def fingerprint(model: nn.Module, options: dict | None = None) -> str:
     add(torch.__version__, transformers.__version__, torch.backends.cpu.get_cpu_capability(), _cpu_flags(),
         str(next(model.parameters()).device), _sources_digest(), _options_key(options or {}))
     # Read at import or inside the forward, and baked into a graph: the attention routes, the kernels' backend.
-    add(model_mod.PROMPT_ATTENTION, *(os.environ.get(k) for k in (
-        "SPECDEC_ATTN", "SPECDEC_WIDE_TREE_SDPA", "SPECDEC_BACKEND", "SPECDEC_BF16_DOT", "TRITON_INTERPRET")))
+    add(model_mod.PROMPT_ATTENTION, *(settings.get(k) for k in settings.GRAPH_SWITCHES), os.environ.get("TRITON_INTERPRET"))
     add(type(model).__module__, type(model).__qualname__, model.config.to_json_string(use_diff=False),
         getattr(model.config, "_attn_implementation", None))
     storage: dict[int, str] = {}

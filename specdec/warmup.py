@@ -23,13 +23,15 @@ import threading
 import warnings
 from pathlib import Path
 
+from specdec import settings
+
 MODES = ("auto", "on", "off", "saved")
 
 
 def compile_mode(value: bool | str | None) -> str:
     """``value`` as one of :data:`MODES` (``True``/``False`` are ``on``/``off``; ``None``: ``$SPECDEC_COMPILE``)."""
     if value is None:
-        value = os.environ.get("SPECDEC_COMPILE", "auto")
+        value = settings.get("SPECDEC_COMPILE", "auto")
     if isinstance(value, bool):
         return "on" if value else "off"
     if value not in MODES:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def _modules_after(code: str) -> set[str]:
     out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sys.modules))"],
@@ -91,3 +93,30 @@ def test_modules_use_each_other_through_public_names():
                 continue
             found.append(f"{path}:{n.lineno}: {ast.unparse(n)}")
     assert not found, "\n".join(found)
+
+
+def test_environment_switches_are_declared_in_one_place():
+    """Every SPECDEC_* variable a module reads is declared in specdec.settings, and only the kernels package
+    (importable with torch alone) reads one without going through settings.get."""
+    import pathlib
+    import re
+
+    from specdec import settings
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "specdec"
+    direct, named = [], set()
+    for p in root.rglob("*.py"):
+        text = p.read_text()
+        named |= set(re.findall(r"\bSPECDEC_[A-Z0-9_]+\b", text))
+        rel = p.relative_to(root).as_posix()
+        for m in re.finditer(r"os\.environ(?:\.get\(|\[)\s*\"(SPECDEC_[A-Z0-9_]+)", text):
+            if not rel.startswith("kernels/"):
+                direct.append(f"{rel}: {m.group(1)}")
+    assert not direct, direct
+    for p in (root.parent / "csrc").rglob("*.cpp"):  # the extension reads its own switches with getenv
+        named |= set(re.findall(r"getenv\(\"(SPECDEC_[A-Z0-9_]+)", p.read_text()))
+    assert "SPECDEC_ATTENTION_DIRECT_ROWS" in named
+    assert named <= set(settings.SWITCHES), sorted(named - set(settings.SWITCHES))
+    assert set(settings.GRAPH_SWITCHES) <= set(settings.SWITCHES)
+    with pytest.raises(KeyError, match="not a declared"):
+        settings.get("SPECDEC_NOT_A_SWITCH")

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from specdec import kernels
+from specdec import kernels, settings
 from specdec.contracts import OUTCOMES, DecodeState, last_outcome, with_outcome
 from specdec.policies.acceptance import AcceptanceModel
 from specdec.policies.batch_length import LinearStepCost, plan_lengths
@@ -53,7 +52,7 @@ def read_options(defaults: dict, nullable: frozenset = frozenset(), env: str = O
     """``defaults`` updated from the JSON object in ``$env``. A key not in ``defaults``, or a value of
     another type than its default's (``null`` only for the keys in ``nullable``), is a ``ValueError``
     that names the allowed options."""
-    raw = os.environ.get(env, "").strip()
+    raw = (settings.get(env) or "").strip()
     if not raw:
         return dict(defaults)
     try:
@@ -155,7 +154,7 @@ class _ChainProposer:
             same += 1
             drafted, signal, was, cells = prev
             accepted = min(len(sampled) - 1, drafted)
-            self.acceptance.update(signal, drafted, accepted)
+            self.acceptance.observe(signal, drafted, accepted)
             if cells is not None and drafted > 0:
                 node_cells.append(list(cells[:drafted]))
                 node_accepted.append(accepted)
@@ -335,10 +334,10 @@ class NGrammysProposer(_ChainProposer):
         if self.slots == 1:
             return drafts[:, 0], source[:, 0], None
         chain, owner, cells, reach = best_chain(state.roots, drafts, source, rank, self.drafter.w,
-                                                self.nodes.rates(drafts.device))
+                                                self.nodes.estimate(drafts.device))
         return chain, source.gather(1, owner[:, None]).squeeze(1), ChainNodes(cells.tolist(), reach.tolist())
 
     def learn_nodes(self, cells, accepted):
         flat = [c for row in cells for c in row]
         hit = [j < a for row, a in zip(cells, accepted) for j in range(len(row))]
-        self.nodes.update(torch.tensor(flat), torch.tensor(hit))
+        self.nodes.observe(torch.tensor(flat), torch.tensor(hit))

@@ -32,6 +32,8 @@ import os
 import platform
 import time
 
+from specdec import settings
+
 METHODS = ("vllm", "vllm-ngram", "vllm-suffix", "vllm-specdec-pld", "vllm-specdec-ngrammys")
 ENGINE_PREFIX = "specdec-"  # specdec's own engine: specdec-<registered method>
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -246,7 +248,7 @@ def run(args) -> dict:
     config = {"engine": "vllm", "vllm": vllm.__version__, "specdec_compile": args.specdec_compile,
               "model": args.model, "dtype": args.dtype,
               "max_new_tokens": args.max_new_tokens, "temperature": 0.0, "concurrency": args.concurrency,
-              "num_speculative_tokens": args.k, "specdec_vllm_options": os.environ.get("SPECDEC_VLLM_OPTIONS"),
+              "num_speculative_tokens": args.k, "specdec_vllm_options": settings.get("SPECDEC_VLLM_OPTIONS"),
               "ld_preload": os.environ.get("LD_PRELOAD"), "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
               "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
               "python": platform.python_version(), "machine": platform.machine(), "cpu": cpu_name()}
