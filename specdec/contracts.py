@@ -6,7 +6,7 @@ drafts within, the stop rule it consults, the step cost it may plan with, and th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -80,6 +80,21 @@ def last_outcome(drafted: int, accepted: int, before: int = 0) -> int:
 def with_outcome(signal: int, outcome: int) -> int:
     """An acceptance-model signal split by a request's :func:`last_outcome` level."""
     return signal * OUTCOMES + outcome
+
+
+@runtime_checkable
+class AcceptanceLearner(Protocol):
+    """An acceptance estimate learned online from verification: ``estimate(key)`` reads it, ``observe(key,
+    outcome)`` counts what the target did. The key is each learner's own: a request's signal and draft length
+    (:class:`~specdec.policies.AcceptanceModel`), every n-gram cell at once
+    (:class:`~specdec.policies.NodeAcceptance`), a draft probability
+    (:class:`~specdec.policies.ProbabilityCalibration`), a classifier logit
+    (:class:`~specdec.policies.disco.PlattCalibration`), a phrase's source and position
+    (:class:`~specdec.drafters.ouroboros.PhraseRates`). Planners read estimates; drafters and stop rules observe."""
+
+    def estimate(self, *key: Any) -> Any: ...
+
+    def observe(self, *outcome: Any) -> None: ...
 
 
 class StepCostLike(Protocol):

@@ -289,18 +289,18 @@ def test_best_chain_is_the_path_with_the_most_expected_tokens():
     acceptance = NodeAcceptance(k, w)
     for likelier, want, owner in ((eight, [7, 8, 5], 1), (nine, [7, 9, 5], 0)):
         _set_rates(acceptance, {seven: 0.9, likelier: 0.8, three: 0.5}, 0.01)
-        chain, owners, cells, reach = best_chain(roots, drafts, source, rank, w, acceptance.rates("cpu"))
+        chain, owners, cells, reach = best_chain(roots, drafts, source, rank, w, acceptance.estimate("cpu"))
         assert chain.tolist() == [want, [3, -1, -1], [-1] * 3] and owners.tolist() == [owner, 0, 0]
         assert reach[0].tolist() == pytest.approx([0.9, 0.8, 0.01]) and reach[1].tolist() == [0.5, 0.0, 0.0]
         assert cells[1].tolist() == [three, -1, -1] and cells[2].tolist() == [-1] * 3
         if owner == 1:  # a node's cell is its first draft's: 7's is the suffix match's
             assert cells[0].tolist() == [seven, eight, five_after_eight]
     _set_rates(acceptance, {cell(1, 0, 0, 0): 0.3, cell(1, 0, 1, 0): 0.8}, 0.01)  # now 4 5 beats 3
-    chain, owners, _, reach = best_chain(roots[1:2], drafts[1:2], source[1:2], rank[1:2], w, acceptance.rates("cpu"))
+    chain, owners, _, reach = best_chain(roots[1:2], drafts[1:2], source[1:2], rank[1:2], w, acceptance.estimate("cpu"))
     assert chain.tolist() == [[4, 5, -1]] and owners.tolist() == [1]
     assert reach.tolist() == [pytest.approx([0.3, 0.3, 0.0])]  # a node is never likelier than its parent
     _set_rates(acceptance, {}, 0.5)  # equal estimates: the drafter's order decides
-    chain, owners, _, _ = best_chain(roots[:1], drafts[:1], source[:1], rank[:1], w, acceptance.rates("cpu"))
+    chain, owners, _, _ = best_chain(roots[:1], drafts[:1], source[:1], rank[:1], w, acceptance.estimate("cpu"))
     assert chain.tolist() == [[7, 9, 5]] and owners.tolist() == [0]
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdec.policies import AcceptanceModel, Budget, HeuristicLength, StaticLength, StepCost, best_length, prune
 
@@ -42,12 +43,12 @@ def test_step_cost_explores_once_every_n_plans():
 def test_acceptance_model_is_censoring_aware():
     acc = AcceptanceModel(prior_weight=1e-6)
     for _ in range(100):
-        acc.update(1, drafted=4, accepted=0)
-        acc.update(1, drafted=4, accepted=4)  # full acceptance: no failure observed for continuation
+        acc.observe(1, drafted=4, accepted=0)
+        acc.observe(1, drafted=4, accepted=4)  # full acceptance: no failure observed for continuation
     beta, gamma = acc.params(1)
     assert beta == pytest.approx(0.5, abs=1e-3)
     assert gamma > 0.97  # every continuation trial succeeded (capped below 1)
-    assert acc.expected_accepted(1, 1) == pytest.approx(0.5, abs=1e-3)
+    assert acc.estimate(1, 1) == pytest.approx(0.5, abs=1e-3)
 
 
 def test_best_length_follows_cost_shape():
@@ -205,3 +206,26 @@ def test_a_cut_to_no_draft_is_a_one_token_step(rows):
     tree.accept = torch.tensor([[1.0, 0.1, 0.05, 0.01]]).expand(rows, 4).clone()
     cut = prune(tree, StepCost({1: 1.0, 2: 1.8, 3: 2.5, 4: 3.3}, explore_every=0))
     assert cut.is_chain and cut.tokens.tolist() == [[9 + r] for r in range(rows)] and cut.valid.all()
+
+
+def test_acceptance_learners_share_one_contract():
+    """Every acceptance learner reads through estimate() and learns through observe() (specdec.contracts)."""
+    from specdec.contracts import AcceptanceLearner
+    from specdec.drafters.ouroboros import PhraseRates
+    from specdec.policies import AcceptanceModel, NodeAcceptance, ProbabilityCalibration
+    from specdec.policies.disco import PlattCalibration
+
+    learners = [AcceptanceModel(), NodeAcceptance(2, 3), ProbabilityCalibration(), PlattCalibration(), PhraseRates(3)]
+    assert all(isinstance(x, AcceptanceLearner) for x in learners)
+    model, nodes, probs, platt, phrases = learners
+    before = model.estimate(1, 2)
+    model.observe(1, 2, 2)
+    assert model.estimate(1, 2) > before
+    cells = torch.tensor([0, 0])
+    nodes.observe(cells, torch.tensor([True, True]))
+    assert nodes.estimate("cpu")[0] > NodeAcceptance(2, 3).estimate("cpu")[0]
+    probs.observe([0.9], [False])
+    assert probs.estimate([0.9])[0] < ProbabilityCalibration().estimate([0.9])[0]
+    assert platt.estimate(torch.tensor([0.0])).item() == pytest.approx(0.5)
+    phrases.observe(0, 0, 0, True)
+    assert phrases.estimate(0, 0, 0) > PhraseRates(3).estimate(0, 0, 0)

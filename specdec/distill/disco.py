@@ -220,7 +220,7 @@ def evaluate(model: DiscoClassifier, seqs: list[Sequence], calibration: PlattCal
     x, y = _stack(seqs, soft=False)
     with torch.no_grad():
         z = model(x)
-        p = calibration(z) if calibration is not None else torch.sigmoid(z)
+        p = calibration.estimate(z) if calibration is not None else torch.sigmoid(z)
     per_cat = {}
     cats = [s.category for s in seqs for _ in range(len(s.agree))]
     for c in sorted(set(cats)):
@@ -243,7 +243,7 @@ def _probs_by_depth(model: DiscoClassifier, seq: Sequence, max_len: int, calibra
     x[:, depth_col] = torch.arange(1, max_len + 1).repeat_interleave(len(seq.features)).float()
     with torch.no_grad():
         z = model(x)
-        p = calibration(z) if calibration is not None else torch.sigmoid(z)
+        p = calibration.estimate(z) if calibration is not None else torch.sigmoid(z)
         return p.view(max_len, -1).T
 
 

@@ -266,7 +266,7 @@ class GraphDrafter(Drafter):
         every merged candidate."""
         by_node = [1.0] * len(g.tokens)
         extra = []
-        est = self.calibration([g.edges[u][i].prob for u, i in g.order])
+        est = self.calibration.estimate([g.edges[u][i].prob for u, i in g.order])
         for (u, i), e in zip(g.order, est):
             edge = g.edges[u][i]
             if edge.merged:
@@ -333,7 +333,7 @@ class GraphDrafter(Drafter):
             if proposals:  # copies are verified one-hot (see the module docstring)
                 cell[r, :n] = torch.tensor([-1 if c else x for c, x in zip(flat.copied, flat.cells)])
             if self.calibration is not None:
-                est = [1.0] + self.calibration(flat.probs[1:])
+                est = [1.0] + self.calibration.estimate(flat.probs[1:])
                 reach = [1.0] * n
                 for i in range(1, n):
                     reach[i] = reach[flat.parents[i]] * est[i]

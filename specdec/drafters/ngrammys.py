@@ -193,7 +193,7 @@ class NGrammysDrafter(Drafter):
         # Every cost.explore()-th plan keeps one node more, so sizes the plan avoids are timed again.
         b, dev = drafts.shape[0], drafts.device
         cells = node_cells(self._slot_source, self._slot_rank, drafts, self.w, self.support)
-        accept = self.acceptance.rates(dev)[cells]  # [B,k,w]
+        accept = self.acceptance.estimate(dev)[cells]  # [B,k,w]
         if b == 1:
             cost = torch.tensor(budget.cost.costs(self.k * w + 1), device=dev)
             tree, self._chain_of_node, slot = DraftTree.from_drafts(state.roots, drafts, merge, accept, cost,
@@ -247,7 +247,7 @@ class NGrammysDrafter(Drafter):
                 a[f"{names[kind[chain[row_path[-1]]]]}_accepted"] += n - 1
         if self._slot is not None:
             if cells:
-                self.acceptance.update(torch.tensor(cells), torch.tensor(accepted))
+                self.acceptance.observe(torch.tensor(cells), torch.tensor(accepted))
             self._slot = None
 
     def summary(self) -> dict:

@@ -65,7 +65,7 @@ class PhraseRates:
         self.counts = np.zeros((len(SOURCES), SEEN_BINS, phrase_len, 2))
         self.prior = prior
 
-    def rate(self, source: int, seen: int, pos: int) -> float:
+    def estimate(self, source: int, seen: int, pos: int) -> float:
         tried, accepted = self.counts[source, seen, pos]
         p, weight = self.prior
         return float((accepted + p * weight) / (tried + weight))
@@ -453,13 +453,13 @@ class OuroborosDrafter(Drafter):
         calibrated draft probability, phrase tokens by the measured rate at their rank and position."""
         out = torch.zeros(len(tries), t)
         for r, trie in enumerate(tries):
-            chain_est = self.calibration(tops[r]) if tops[r] else []
+            chain_est = self.calibration.estimate(tops[r]) if tops[r] else []
             reach = [1.0] * len(trie)
             for n in range(1, len(trie)):
                 if trie.kind[n] == 0:
                     e = chain_est[n - 1]
                 else:
-                    e = self.rates.rate(*trie.rank[n])
+                    e = self.rates.estimate(*trie.rank[n])
                 reach[n] = reach[trie.parents[n]] * e
             out[r, : len(trie)] = torch.tensor(reach)
         return out

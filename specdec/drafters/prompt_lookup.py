@@ -67,6 +67,6 @@ class PromptLookupDrafter(Drafter):
             return
         for r, (s, d, a) in enumerate(zip(self._signal, drafted, path_len)):
             if s > 0:
-                self.acceptance.update(s, d, a - 1)
+                self.acceptance.observe(s, d, a - 1)
             if a > 0:
                 self._outcome[r] = last_outcome(d, a - 1, self._outcome[r])

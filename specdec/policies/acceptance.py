@@ -28,7 +28,8 @@ class AcceptanceModel:
         s = self._get(signal)
         return s[0] / s[1], min(s[2] / s[3], 0.98)
 
-    def update(self, signal: int, drafted: int, accepted: int) -> None:
+    def observe(self, signal: int, drafted: int, accepted: int) -> None:
+        """A step that verified ``drafted`` draft tokens under ``signal`` and accepted ``accepted`` of them."""
         if drafted <= 0:
             return
         s = self._get(signal)
@@ -38,7 +39,8 @@ class AcceptanceModel:
             s[2] += accepted - 1
             s[3] += accepted - 1 + (1 if accepted < drafted else 0)
 
-    def expected_accepted(self, signal: int, k: int) -> float:
+    def estimate(self, signal: int, k: int) -> float:
+        """Expected accepted tokens of a ``k``-token draft under ``signal``."""
         beta, gamma = self.params(signal)
         return beta * (1 - gamma**k) / (1 - gamma)
 
@@ -74,13 +76,13 @@ class NodeAcceptance:
         self.proposed = torch.full_like(prior, prior_weight)
         self._rates: torch.Tensor | None = None
 
-    def rates(self, device) -> torch.Tensor:
+    def estimate(self, device) -> torch.Tensor:
         """``[sources*k*w*SUPPORT] float`` acceptance estimate of each cell."""
         if self._rates is None or self._rates.device != torch.device(device):
             self._rates = (self.accepted / self.proposed).float().to(device)
         return self._rates
 
-    def update(self, cells: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(self, cells: torch.Tensor, accepted: torch.Tensor) -> None:
         """cells: ``[N]`` cell of each verified node; accepted: ``[N] bool``."""
         cells = cells.cpu()
         self.proposed.index_add_(0, cells, torch.ones(cells.shape[0], dtype=torch.float64))
@@ -93,7 +95,7 @@ class ProbabilityCalibration:
 
     Distilled drafts are over-confident, and how much depends on the draft and the workload, so the
     probability a drafter reads off its softmax is mapped to the rate measured for that bin (each bin's
-    prior is its centre, worth ``prior_weight`` observations). ``__call__(probs)`` maps host floats;
+    prior is its centre, worth ``prior_weight`` observations). ``estimate(probs)`` maps host floats;
     ``observe(probs, hits)`` counts candidates whose parent the target reached, and whether each one was
     the target's token there.
     """
@@ -110,7 +112,7 @@ class ProbabilityCalibration:
     def _bin(self, p: float) -> int:
         return min(self.bins - 1, max(0, int(p * self.bins)))
 
-    def __call__(self, probs: list[float]) -> list[float]:
+    def estimate(self, probs: list[float]) -> list[float]:
         return [self.hits[i] / self.seen[i] for i in map(self._bin, probs)]
 
     def observe(self, probs: list[float], hits: list[bool]) -> None:

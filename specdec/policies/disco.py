@@ -134,7 +134,7 @@ class PlattCalibration:
     def seen(self) -> int:
         return len(self._z)
 
-    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+    def estimate(self, z: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.a * z + self.b)
 
     def observe(self, z: list[float], y: list[float]) -> None:
@@ -213,7 +213,7 @@ class DiscoStop(StopRule):
         with torch.no_grad():
             z = self.classifier(disco_features(logits, depth, position))
         self._logits.append(z)
-        p = self.calibration(z)
+        p = self.calibration.estimate(z)
         if self.mode == "paper":
             going = p >= self.threshold
         else:
@@ -255,7 +255,7 @@ def tree_accept(classifier: DiscoClassifier, calibration: PlattCalibration | Non
     flat = node_logits.reshape(b * t, -1)
     pos = (position[:, None] + (depth - 1).clamp(min=0)).reshape(-1)
     z = classifier(disco_features(flat, depth.reshape(-1).clamp(min=1), pos)).view(b, t)
-    p = (calibration(z) if calibration is not None else torch.sigmoid(z)).float()
+    p = (calibration.estimate(z) if calibration is not None else torch.sigmoid(z)).float()
     reach = torch.ones(b, t, device=p.device)
     for i in range(1, t):  # parents come before their children
         parent = tree.parents[:, i].clamp(min=0)

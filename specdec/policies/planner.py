@@ -89,7 +89,7 @@ def best_length(acceptance: AcceptanceModel, cost: StepCost, signal: int, max_k:
     costs = cost.costs(max_k + 1)
     best_k, best_rate = 0, 1.0 / costs[0]
     for k in range(1, max_k + 1):
-        rate = (1.0 + acceptance.expected_accepted(signal, k)) / costs[k]
+        rate = (1.0 + acceptance.estimate(signal, k)) / costs[k]
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
