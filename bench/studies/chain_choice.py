@@ -171,11 +171,11 @@ def replay(records, drafter: NGrammysDrafter, tables: list[NodeAcceptance], rule
                     else:
                         acceptance = tables[outcome if rule == "best-history" else 0]
                         chain, _, cells, _ = best_chain(state.roots, drafts, source, rank, drafter.w,
-                                                     acceptance.rates("cpu"))
+                                                     acceptance.estimate("cpu"))
                         n = int((chain[0] >= 0).sum())
                         acc = accepted_prefix(chain[0].tolist(), reply)
                         if n:
-                            acceptance.update(cells[0, :n], torch.arange(n) < acc)
+                            acceptance.observe(cells[0, :n], torch.arange(n) < acc)
                         outcome = last_outcome(n, acc, outcome)
             calls += 1
             emitted += acc + 1
