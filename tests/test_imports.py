@@ -65,8 +65,9 @@ _FOREIGN_PRIVATE = {("specdec/distill/corpus.py", "_save_manifest"), ("specdec/p
 
 def test_modules_use_each_other_through_public_names():
     """Composition by contract: no specdec module reads or writes another object's private members (GSD and
-    Ouroboros call the draft model's public component, PEARL's worker its rollback), so a private name can
-    change inside its own class."""
+    Ouroboros call the draft model's public component, PEARL's worker its rollback) or imports another module's
+    private names (PEARL's loop is built from decoding's public step pieces), so a private name can change
+    inside its own module."""
     import ast
     import pathlib
 
@@ -92,6 +93,10 @@ def test_modules_use_each_other_through_public_names():
             if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
                 continue
             found.append(f"{path}:{n.lineno}: {ast.unparse(n)}")
+        for n in ast.walk(tree):  # nor imports another module's private names
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("specdec"):
+                found += [f"{path}:{n.lineno}: from {n.module} import {a.name}" for a in n.names
+                          if a.name.startswith("_") and not a.name.startswith("__") and a.name not in ("_C", "_fake")]
     assert not found, "\n".join(found)
 
 
