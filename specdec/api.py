@@ -125,7 +125,7 @@ class SpecDecoder:
             if mode == "auto" else None
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None
-        self._learned: dict = {}  # acceptance tables learned across calls: one model, one workload
+        self._learned: dict = {}  # what methods learn across calls (dec.learned): one model, one workload
         self._draft_seconds: dict[str, float] = {}
         self._workers: dict = {}  # draft backends that run beside the target (PEARL), per kind and draft
         self._references: dict[tuple[int, ...], list[int]] = {}  # the oracle's greedy reference runs

@@ -205,7 +205,7 @@ class OwnLoop(Protocol):
 @runtime_checkable
 class BuildContext(Protocol):
     """What a method's builder may use of the decoder it builds on: the models, measured costs, shared tables,
-    and state learned across calls. ``SpecDecoder`` satisfies it; a test builds against a fake one."""
+    and state learned across calls. ``SpecDecoder`` satisfies it; a test builds every method on a view exposing only these members."""
 
     model: Any  # the target (a transformers PreTrainedModel)
     runner: ModelRunner  # the target's runner

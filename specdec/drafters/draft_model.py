@@ -144,9 +144,10 @@ class DraftModelDrafter(Drafter):
         (``needs_hidden``) last hidden state ``[B,H]`` at each row's root."""
         b = state.seq.shape[0]
         dev = state.seq.device
-        todo = [state.seq_lens_host[r] - self.seen[r] for r in range(b)]
+        seen = self.seen
+        todo = [state.seq_lens_host[r] - seen[r] for r in range(b)]
         width = max(todo)
-        idx = torch.tensor(self.seen, device=dev)[:, None] + torch.arange(width, device=dev)
+        idx = torch.tensor(seen, device=dev)[:, None] + torch.arange(width, device=dev)
         pad = torch.arange(width, device=dev)[None] >= torch.tensor(todo, device=dev)[:, None]
         chunk = state.seq.gather(1, idx.clamp(max=state.seq.shape[1] - 1)).masked_fill(pad, -1)
         catch_up = DraftTree.chain(chunk[:, 0], chunk[:, 1:])
