@@ -31,7 +31,7 @@ TORCH_LIBRARY(specdec, m) {
   m.def("quant_dequantize(Tensor packed, int n, int k, int bits, int group, bool has_min, bool f16_scale) -> Tensor");
   m.def("tree_verify_greedy(Tensor tokens, Tensor parents, Tensor target_logits, Tensor? valid=None) -> "
         "(Tensor path, Tensor length, Tensor next_token)");
-  m.def("draft_tree(Tensor root, Tensor drafts, bool merge=True, Tensor? accept=None, Tensor? cost=None, "
-        "int extra=0) -> (Tensor tokens, Tensor parents, Tensor valid, Tensor depth, Tensor mask, Tensor chain, "
-        "Tensor slot)");
+  m.def("draft_tree(Tensor root, Tensor drafts, bool merge=True, Tensor? accept=None, Tensor? keep=None) -> "
+        "(Tensor tokens, Tensor parents, Tensor valid, Tensor depth, Tensor mask, Tensor chain, Tensor slot, "
+        "Tensor reach)");
 }

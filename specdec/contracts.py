@@ -110,6 +110,11 @@ class StepCostLike(Protocol):
 
     def explore(self) -> bool: ...
 
+    def plan_size(self, reach: list[float]) -> int:
+        """How many of one row's draft nodes, reached with probabilities ``reach``, pay for their verification
+        (the planner's rule and its exploration)."""
+        ...
+
     def marginal_bar(self, tokens: float, seconds: float, extra_seconds: float) -> float:
         """The expected tokens that ``extra_seconds`` of work must add to a step emitting ``tokens`` in
         ``seconds`` to raise its rate (the planner's rule)."""

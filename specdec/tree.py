@@ -221,24 +221,29 @@ class DraftTree:
 
     @classmethod
     def from_drafts(cls, root: torch.Tensor, drafts: torch.Tensor, merge: bool = True, accept: torch.Tensor | None = None,
-                    cost: torch.Tensor | None = None, extra: int = 0,
+                    keep: torch.Tensor | list[int] | None = None,
                     draft_probs: SparseProbs | None = None) -> tuple["DraftTree", torch.Tensor, torch.Tensor]:
         """Several chains per row as one tree, mask included (:func:`specdec.kernels.draft_tree`).
 
         root: ``[B]``; drafts: ``[B,k,w] int64``, each chain -1 padded at its end (an empty slot is
         all -1). ``merge=True`` builds the trie (chains sharing a prefix share its nodes);
         ``merge=False`` keeps every chain as its own branch under the root (the paper's k batch
-        rows, minus the k-1 copies of the root). With ``accept [B,k,w]`` and ``cost`` the tree keeps
-        only the nodes that pay for their verification cost (see the kernel). draft_probs:
-        :class:`SparseProbs` ``[B, k*w, K]``, the proposal of cell ``i * w + d``, or None; a node
-        keeps its first chain's.
+        rows, minus the k-1 copies of the root). With ``accept [B,k,w]`` the tree carries each node's
+        reach in :attr:`accept`; with ``keep`` (``[B]`` node counts, the planner's) it keeps only each
+        row's likeliest nodes. draft_probs: :class:`SparseProbs` ``[B, k*w, K]``, the proposal of cell
+        ``i * w + d``, or None; a node keeps its first chain's.
 
         Returns the tree, ``[B,T] int64`` the first chain through each node and ``[B,T] int64`` that
         chain's cell ``i * w + d`` (both -1 at the root and at padding).
         """
-        tokens, parents, valid, depth, mask, chain, slot = kernels.draft_tree(root, drafts, merge, accept, cost, extra)
+        if isinstance(keep, list):
+            keep = torch.tensor(keep, dtype=torch.int64)
+        tokens, parents, valid, depth, mask, chain, slot, reach = kernels.draft_tree(root, drafts, merge, accept, keep)
         probs = None if draft_probs is None else _node_probs(draft_probs, slot)
-        return cls(tokens, parents, valid, depth, False, probs, mask), chain, slot
+        tree = cls(tokens, parents, valid, depth, False, probs, mask)
+        if accept is not None:
+            tree.accept = reach
+        return tree, chain, slot
 
     def select(self, keep: torch.Tensor) -> tuple["DraftTree", torch.Tensor]:
         """The subtree of the nodes in ``keep`` ``[B,T] bool`` (closed under parents; the root is always kept).

@@ -498,27 +498,38 @@ def draft_batches(draw):
     root = torch.randint(0, vocab, (b,), generator=g)
     # Estimates on a coarse grid (ties, which the order must break alike), 0 included.
     accept = torch.randint(0, 5, (b, k, w), generator=g).float() / 4
-    steps = torch.rand(k * w + 1 + draw(st.integers(0, 3)), generator=g)
-    if draw(st.booleans()):
-        cost = 1 + steps.cumsum(0) * 0.05  # rising, as measured step costs are
-    else:
-        cost = 1 + steps * 0.3  # not monotonic: a noisy table
-    return root, drafts, draw(st.booleans()), accept, cost, draw(st.integers(0, 2))
+    keep = torch.randint(0, k * w + 2, (b,), generator=g)  # node counts, past what a row holds included
+    return root, drafts, draw(st.booleans()), accept, keep
 
 
 @needs_draft_tree
 @settings(max_examples=400, deadline=None)
-@given(draft_batches(), st.booleans())
-def test_draft_tree_native_matches_reference(case, prune):
-    root, drafts, merge, accept, cost, extra = case
-    args = (root, drafts, merge) + ((accept, cost, extra) if prune else ())
+@given(draft_batches(), st.sampled_from(["whole", "reach", "cut"]))
+def test_draft_tree_native_matches_reference(case, mode):
+    root, drafts, merge, accept, keep = case
+    args = (root, drafts, merge) + {"whole": (), "reach": (accept,), "cut": (accept, keep)}[mode]
     got = K.draft_tree(*args, backend="cpp")
     want = K.draft_tree(*args, backend="torch")
-    names = ("tokens", "parents", "valid", "depth", "mask", "chain", "slot")
-    for name, g, r in zip(names, got, want):
+    names = ("tokens", "parents", "valid", "depth", "mask", "chain", "slot", "reach")
+    for name, g, r in zip(names, got, want, strict=True):
         assert g.dtype == r.dtype and g.shape == r.shape, (name, g.dtype, r.dtype, g.shape, r.shape)
         assert torch.equal(g, r), (name, args, g, r)
-    tokens, parents, valid, depth, mask, chain, slot = got
+    tokens, parents, valid, depth, mask, chain, slot, reach = got
+    if mode != "whole":
+        # A node's reach is its first chain's cell capped by its parent's; a cut keeps the likeliest.
+        cell = accept.reshape(accept.shape[0], -1).gather(1, slot.clamp(min=0))
+        up = reach.gather(1, parents.clamp(min=0))
+        inner = valid.clone()
+        inner[:, 0] = False
+        assert torch.equal(reach[inner], torch.minimum(cell, up)[inner]) and (reach[:, 0] == 1).all()
+        assert (reach[~valid] == 0).all()
+    if mode == "cut":
+        whole = K.draft_tree(root, drafts, merge, accept, backend="cpp")
+        for r in range(root.shape[0]):
+            held = int(whole[2][r].sum()) - 1
+            assert int(valid[r].sum()) - 1 == min(int(keep[r]), held)
+            dropped = sorted(whole[7][r, 1:][whole[2][r, 1:]].tolist(), reverse=True)[int(valid[r].sum()) - 1:]
+            assert all(reach[r, i] >= max(dropped, default=0.0) for i in range(1, int(valid[r].sum())))
     # The tree is well formed: a checked rebuild agrees on depth and mask, and every node's token is
     # its chain's token at its depth.
     from specdec.tree import DraftTree
@@ -534,20 +545,28 @@ def test_draft_tree_native_matches_reference(case, prune):
 
 
 @needs_draft_tree
-def test_draft_tree_prunes_to_what_pays():
+def test_draft_tree_cuts_where_the_planner_says():
     # One chain of 4 with estimates 0.9, 0.8, 0.1, 0.05: flat costs keep all, steep costs only the root.
+    from specdec.policies.planner import plan_size
+
     root, drafts = torch.tensor([7]), torch.tensor([[[1, 2, 3, 4]]])
     accept = torch.tensor([[[0.9, 0.8, 0.1, 0.05]]])
     for backend in ("cpp", "torch"):
-        tokens, _, valid, *_ = K.draft_tree(root, drafts, True, accept, torch.ones(5), 0, backend=backend)
+        reach = K.draft_tree(root, drafts, True, accept, backend=backend)[7]
+
+        def cut(cost, extra):
+            keep = torch.tensor([plan_size(reach[0, 1:].tolist(), cost.tolist(), explore=bool(extra))])
+            return K.draft_tree(root, drafts, True, accept, keep, backend=backend)
+
+        tokens, _, valid, *_ = cut(torch.ones(5), 0)
         assert tokens[valid].tolist() == [7, 1, 2, 3, 4]
-        tokens, _, valid, *_ = K.draft_tree(root, drafts, True, accept, torch.arange(1, 6).float() ** 3, 0, backend=backend)
+        tokens, _, valid, *_ = cut(torch.arange(1, 6).float() ** 3, 0)
         assert tokens[valid].tolist() == [7]
         # c(n) = 1 + 0.3 (n - 1): the 0.1 node no longer pays (2.7 / 1.6 > 2.8 / 1.9), extra=1 takes it.
         cost = 1 + 0.3 * torch.arange(5).float()
-        tokens, _, valid, *_ = K.draft_tree(root, drafts, True, accept, cost, 0, backend=backend)
+        tokens, _, valid, *_ = cut(cost, 0)
         assert tokens[valid].tolist() == [7, 1, 2]
-        tokens, _, valid, *_ = K.draft_tree(root, drafts, True, accept, cost, 1, backend=backend)
+        tokens, _, valid, *_ = cut(cost, 1)
         assert tokens[valid].tolist() == [7, 1, 2, 3]
 
 
@@ -555,22 +574,25 @@ def test_draft_tree_prunes_to_what_pays():
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 def test_draft_tree_bad_inputs(backend):
     root, drafts = torch.tensor([7]), torch.tensor([[[1, 2]]])
-    with pytest.raises(ValueError, match="go together"):
-        K.draft_tree(root, drafts, True, torch.ones(1, 1, 2), None, backend=backend)
+    with pytest.raises(ValueError, match="keep needs accept"):
+        K.draft_tree(root, drafts, True, None, torch.tensor([1]), backend=backend)
     with pytest.raises(ValueError, match="accept must be"):
-        K.draft_tree(root, drafts, True, torch.ones(1, 2), torch.ones(3), backend=backend)
-    with pytest.raises(ValueError, match="cost must hold"):
-        K.draft_tree(root, drafts, True, torch.ones(1, 1, 2), torch.ones(2), backend=backend)
+        K.draft_tree(root, drafts, True, torch.ones(1, 2), torch.tensor([1]), backend=backend)
+    with pytest.raises(ValueError, match="keep must be"):
+        K.draft_tree(root, drafts, True, torch.ones(1, 1, 2), torch.tensor([1.0]), backend=backend)
+    with pytest.raises(ValueError, match="keep must be"):
+        K.draft_tree(root, drafts, True, torch.ones(1, 1, 2), torch.tensor([1, 1]), backend=backend)
     with pytest.raises(ValueError, match="drafts must be"):
         K.draft_tree(torch.tensor([7, 8]), drafts, backend=backend)
-    with pytest.raises(ValueError, match="extra"):
-        K.draft_tree(root, drafts, True, torch.ones(1, 1, 2), torch.ones(3), -1, backend=backend)
+    with pytest.raises((ValueError, RuntimeError), match=">= 0"):
+        K.draft_tree(root, drafts, True, torch.ones(1, 1, 2), torch.tensor([-1]), backend=backend)
 
 
 @needs_draft_tree
 def test_draft_tree_compile_fullgraph_and_opcheck():
     g = torch.Generator().manual_seed(0)
     root, drafts = torch.tensor([3, 1]), torch.randint(0, 3, (2, 4, 3), generator=g)
-    accept, cost = torch.rand(2, 4, 3, generator=g), 1 + torch.rand(13, generator=g).cumsum(0) * 0.1
-    torch.library.opcheck(ops.draft_tree.default, (root, drafts, True, accept, cost, 1))
+    accept, keep = torch.rand(2, 4, 3, generator=g), torch.tensor([3, 5])
+    torch.library.opcheck(ops.draft_tree.default, (root, drafts, True, accept, keep))
+    torch.library.opcheck(ops.draft_tree.default, (root, drafts, True, accept))
     torch.library.opcheck(ops.draft_tree.default, (root, drafts, False))

@@ -306,10 +306,9 @@ def test_best_chain_is_the_path_with_the_most_expected_tokens():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_one_row_cut_by_the_planner_equals_the_kernels_cut(seed):
-    """The two places a tree is cut by cost agree on one row: the kernel's own cut (``from_drafts`` with
-    estimates, what the drafter does for one row) and the uncut trie's :func:`reach_estimates` cut by
-    :func:`specdec.policies.prune` (what the decode loop does to a batch's trees)."""
-    from specdec.drafters.ngrammys import reach_estimates
+    """The two places a tree is cut by cost agree on one row: the kernel's cut at the planner's size (``from_drafts``
+    with estimates and :meth:`StepCost.plan_size`, what the drafter does for one row) and the uncut trie with its
+    reach cut by :func:`specdec.policies.prune` (what the decode loop does to a batch's trees)."""
     from specdec.policies import prune
 
     g = torch.Generator().manual_seed(seed)
@@ -319,9 +318,8 @@ def test_one_row_cut_by_the_planner_equals_the_kernels_cut(seed):
     accept = torch.rand(1, k, w, generator=g)
     cost = StepCost({1: 1.0, 2: 1.1, 4: 1.5, 8: 2.6, 16: 6.0, 32: 14.0}, explore_every=0)
     root = torch.tensor([9])
-    kernel, _, _ = DraftTree.from_drafts(root, drafts, True, accept, torch.tensor(cost.costs(k * w + 1)))
-    whole, _, slot = DraftTree.from_drafts(root, drafts, True)
-    whole.accept = reach_estimates(whole, accept.reshape(1, -1), slot)
+    whole, _, _ = DraftTree.from_drafts(root, drafts, True, accept)
+    kernel, _, _ = DraftTree.from_drafts(root, drafts, True, accept, [cost.plan_size(whole.accept[0, 1:].tolist())])
     planner = prune(whole, cost)
     assert kernel.num_drafted.item() == planner.num_drafted.item()
     assert {_path(kernel, i) for i in range(kernel.size) if kernel.valid[0, i]} == \

@@ -187,23 +187,21 @@ class NGrammysDrafter(Drafter):
         if budget.cost is None or self.acceptance is None:
             tree, self._chain_of_node, _ = DraftTree.from_drafts(state.roots, drafts, merge)
             return tree
-        # Keep, per row, the nodes most likely to be accepted, as many as pay for their cost. A node's
-        # estimate comes from its cell (source, rank among that source's drafts, depth, and how many
+        # A node's estimate comes from its cell (source, rank among that source's drafts, depth, and how many
         # drafts share its prefix; a longest-suffix or corpus match's source is its suffix length).
-        # Every cost.explore()-th plan keeps one node more, so sizes the plan avoids are timed again.
         b, dev = drafts.shape[0], drafts.device
         cells = node_cells(self._slot_source, self._slot_rank, drafts, self.w, self.support)
         accept = self.acceptance.estimate(dev)[cells]  # [B,k,w]
+        tree, self._chain_of_node, slot = DraftTree.from_drafts(state.roots, drafts, merge, accept)
         if b == 1:
-            cost = torch.tensor(budget.cost.costs(self.k * w + 1), device=dev)
-            tree, self._chain_of_node, slot = DraftTree.from_drafts(state.roots, drafts, merge, accept, cost,
-                                                                    int(budget.cost.explore()))
-        else:
-            # Rows share one forward as wide as the widest row, so the cut is the batch's: the whole tree goes
-            # to the decode loop's planner with its estimates (cut row by row, one row's likely node would make
-            # every row pay a wider step). update() finds its nodes again through the cut tree's origin.
-            tree, self._chain_of_node, slot = DraftTree.from_drafts(state.roots, drafts, merge)
-            tree.accept = reach_estimates(tree, accept.reshape(b, -1), slot)
+            # One row: the planner picks how many of its likeliest nodes pay, and the kernel cuts there (a
+            # host decision and a second pass of the kernel beat the dozen small tensor ops of a cut).
+            # update() finds the kept nodes through their cells.
+            keep = [budget.cost.plan_size(tree.accept[0, 1:].tolist())]  # one row: no padding
+            tree, self._chain_of_node, slot = DraftTree.from_drafts(state.roots, drafts, merge, accept, keep)
+        # Several rows share one forward as wide as the widest row, so the cut is the batch's: the whole tree
+        # goes to the decode loop's planner with its estimates (cut row by row, one row's likely node would
+        # make every row pay a wider step). update() finds its nodes again through the cut tree's origin.
         self._slot = cells.reshape(b, -1).gather(1, slot.clamp(min=0))  # [B,T] cell of each node
         return tree
 
@@ -254,21 +252,10 @@ class NGrammysDrafter(Drafter):
         return {"allocation": dict(self.allocation)}
 
 
-def reach_estimates(tree: DraftTree, accept: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """``[B,T] fp32``: the estimate that each node of ``tree`` is reached, as :func:`specdec.kernels.draft_tree`
-    prunes by: the acceptance of its first chain's cell, capped by its parent's (a child is never likelier);
-    1 at the root, 0 at padding.
-
-    tree: built by :meth:`DraftTree.from_drafts` without pruning; accept: ``[B, k*w]`` the estimate of cell
-    ``i * w + d``; slot: ``[B,T]`` each node's cell (-1 at the root and padding), as ``from_drafts`` returns."""
-    p = torch.where(tree.valid, accept.float().gather(1, slot.clamp(min=0)), 0.0)
-    return cap_by_parents(p, tree.parents, tree.depth)
-
-
 def best_chain(roots: torch.Tensor, drafts: torch.Tensor, source: torch.Tensor, rank: torch.Tensor, w_max: int,
                rates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row, the one chain to verify among ``k`` drafts: the root-to-leaf path of their trie with the most
-    expected accepted tokens (the sum of its nodes' :func:`reach_estimates`), for an engine that verifies
+    expected accepted tokens (the sum of its nodes' reach, as :func:`specdec.kernels.draft_tree` estimates it), for an engine that verifies
     chains only. Ties go to the drafter's order.
 
     roots: ``[B]``; drafts, source, rank: ``[B,k,w]`` / ``[B,k]`` / ``[B,k]`` as :meth:`NGrammysDrafter.drafts`
@@ -282,8 +269,8 @@ def best_chain(roots: torch.Tensor, drafts: torch.Tensor, source: torch.Tensor, 
     b, k, w = drafts.shape
     dev = drafts.device
     cells = node_cells(source, rank, drafts, w_max).reshape(b, k * w)
-    tree, _, slot = DraftTree.from_drafts(roots, drafts, True)
-    reach = reach_estimates(tree, rates[cells], slot)
+    tree, _, slot = DraftTree.from_drafts(roots, drafts, True, rates[cells].reshape(b, k, w))
+    reach = tree.accept
     reach[:, 0] = 0.0
     parents = tree.parents.clamp(min=0)
     total = reach.clone()  # expected accepted tokens of the path to each node

@@ -12,8 +12,8 @@ Operators:
 - :func:`topk_entropy`: top-k probabilities and entropy of a softmax, one pass over V.
 - :func:`kv_compact`: in-place KV-cache compaction of accepted tokens, all layers in one call.
 - :func:`tree_verify_greedy` / :func:`tree_verify_sampling`: acceptance over a draft tree.
-- :func:`draft_tree`: k draft chains merged into a verification tree (trie or branches), optionally
-  pruned to the nodes that pay for their cost, with its ancestor mask.
+- :func:`draft_tree`: k draft chains merged into a verification tree (trie or branches) with its ancestor
+  mask and each node's reach estimate, optionally cut to the likeliest nodes the planner keeps.
 - :func:`skinny_linear`: ``x . W^T + b`` for a few rows (verification's T tokens), batch-invariant.
 - :func:`pack_linear_weight` / :func:`packed_linear`: the same product over a weight prepacked once
   into column panels, several times faster from a few rows on (CPU).
@@ -351,12 +351,12 @@ def draft_tree(
     drafts: torch.Tensor,
     merge: bool = True,
     accept: torch.Tensor | None = None,
-    cost: torch.Tensor | None = None,
-    extra: int = 0,
+    keep: torch.Tensor | None = None,
     backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge ``k`` draft chains per row into one verification tree, optionally keeping only the nodes
-    that pay for their verification cost.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    """Merge ``k`` draft chains per row into one verification tree with each node's reach estimate,
+    optionally cut to each row's likeliest nodes.
 
     Args:
         root: ``[B]`` int64, the pending root token of each row.
@@ -365,27 +365,29 @@ def draft_tree(
             as its own branch under the root. Node order is chain-major: the chain listed first keeps
             the lowest indices (verification tries siblings in index order).
         accept: ``[B, k, w]`` fp32, the acceptance estimate of chain ``i``'s node at depth ``d + 1``, or
-            None (no pruning). A node's estimate is that of the first chain through it, capped by its
-            parent's.
-        cost: ``[C]`` fp32, ``C >= k * w + 1``: ``cost[n - 1]`` is the cost of verifying ``n`` nodes.
-            The kept nodes are the ``n`` with the highest estimates (ties: shallower first), ``n``
-            maximising ``(1 + sum of their estimates) / cost[n - 1]``, then ``extra`` more.
+            None. A node's reach is that of the first chain through it, capped by its parent's.
+        keep: ``[B]`` int64 (needs ``accept``): row ``b`` keeps its ``keep[b]`` draft nodes of highest
+            reach (ties: shallower first, then node order; all it holds if fewer), in node order. How
+            many pay is the planner's call (:func:`specdec.policies.planner.best_sizes` on the uncut
+            tree's reach); this op only cuts.
     Returns:
         tokens, parents (-1 at the root), valid (bool), depth, all ``[B, T]``; the packed ancestor-or-self
         mask ``[B, T, ceil(T/32)]`` int32; chain ``[B, T]`` (the first chain through each node) and slot
-        ``[B, T]`` (that chain's cell ``i * w + d``), both -1 at the root and at padding. ``T`` is the
-        largest row's node count; padding nodes hang off the root with token 0.
+        ``[B, T]`` (that chain's cell ``i * w + d``), both -1 at the root and at padding; reach ``[B, T]``
+        fp32 (1 at the root, 0 at padding; all 0 without ``accept``). ``T`` is the largest row's node
+        count; padding nodes hang off the root with token 0.
     """
     _check(drafts.dim() == 3 and root.shape == drafts.shape[:1], "drafts must be [B, k, w] and root [B]")
-    _check((accept is None) == (cost is None), "accept and cost go together")
+    _check(accept is not None or keep is None, "keep needs accept (nodes are kept by their reach)")
     if accept is not None:
         _check(accept.shape == drafts.shape, f"accept must be [B, k, w] = {list(drafts.shape)}, got {list(accept.shape)}")
-        _check(cost.dim() == 1 and cost.shape[0] >= drafts.shape[1] * drafts.shape[2] + 1,
-               f"cost must hold c(1) .. c(k * w + 1), got shape {list(cost.shape)}")
-        _check(extra >= 0, f"extra must be >= 0, got {extra}")
+        accept = accept.float()
+    if keep is not None:
+        _check(keep.shape == drafts.shape[:1] and not keep.is_floating_point(),
+               f"keep must be [B] integer node counts, got {keep.dtype} of shape {list(keep.shape)}")
+        keep = keep.long()
     root, drafts = root.long(), drafts.long()
-    if accept is not None:
-        accept, cost = accept.float(), cost.float()
     if choose("draft_tree", drafts.device, backend, ("cpu",)) == "native":
-        return native_ops().draft_tree(root, drafts, merge, accept, cost, extra)
-    return reference.draft_tree(root, drafts, merge, accept, cost, extra)
+        return native_ops().draft_tree(root, drafts, merge, accept, keep)  # checks keep >= 0 on the host
+    _check(keep is None or bool((keep >= 0).all()), "keep must be >= 0")
+    return reference.draft_tree(root, drafts, merge, accept, keep)

@@ -110,13 +110,14 @@ def _quant_dequantize_fake(packed: torch.Tensor, n: int, k: int, bits: int, grou
 @torch.library.register_fake("specdec::draft_tree")
 def _draft_tree_fake(
     root: torch.Tensor, drafts: torch.Tensor, merge: bool = True, accept: torch.Tensor | None = None,
-    cost: torch.Tensor | None = None, extra: int = 0,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """tokens, parents, depth, chain, slot ``[B, T]`` int64, valid ``[B, T]`` bool, mask ``[B, T, ceil(T/32)]``
-    int32; ``T`` (the largest row's node count) depends on the data."""
+    int32, reach ``[B, T]`` fp32; ``T`` (the largest row's node count) depends on the data."""
     b = drafts.shape[0]
     t = torch.library.get_ctx().new_dynamic_size()
     words = (t + 31) // 32
     i64 = lambda: drafts.new_empty((b, t), dtype=torch.int64)  # noqa: E731
     return (i64(), i64(), drafts.new_empty((b, t), dtype=torch.bool), i64(),
-            drafts.new_empty((b, t, words), dtype=torch.int32), i64(), i64())
+            drafts.new_empty((b, t, words), dtype=torch.int32), i64(), i64(),
+            drafts.new_empty((b, t), dtype=torch.float32))

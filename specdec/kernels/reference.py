@@ -345,8 +345,8 @@ def cap_by_parents(p: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) 
 
 def draft_tree(
     root: torch.Tensor, drafts: torch.Tensor, merge: bool = True, accept: torch.Tensor | None = None,
-    cost: torch.Tensor | None = None, extra: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    keep: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Reference of :func:`specdec.kernels.draft_tree` (vectorised: no loop over rows or nodes)."""
     b, k, w = drafts.shape
     dev = drafts.device
@@ -377,21 +377,24 @@ def draft_tree(
     slot = place(torch.arange(k * w, device=dev).expand(b, k * w), -1)
     valid = place(flat_exists, False)
     tokens[:, 0], parents[:, 0], chain[:, 0], slot[:, 0], valid[:, 0] = root, -1, -1, -1, True
+    reach = torch.zeros(b, t, device=dev)
     if accept is not None:
         depth = tree_depth(parents)
-        # A node's estimate is its owner's cell, capped by its parent's (a child is never likelier).
-        p = cap_by_parents(torch.where(valid, accept.reshape(b, k * w).float().gather(1, slot.clamp(min=0)), 0.0),
-                           parents, depth)
-        p[:, 0] = 2.0  # the root first
-        order = torch.sort(p - depth * 1e-6, dim=-1, descending=True, stable=True)
-        gain = order.values.clamp(max=1.0).cumsum(-1)  # [B,T]: 1 + expected accepted with n+1 nodes
-        best = (gain / cost[:t].float()).argmax(-1) + extra  # [B]: index of the last kept node in the order
-        keep_sorted = torch.arange(t, device=dev)[None] <= best[:, None]
-        keep = torch.zeros_like(keep_sorted).scatter_(1, order.indices, keep_sorted)
-        tokens, parents, valid, old = subtree(tokens, parents, valid, keep)
-        chain, slot = chain.gather(1, old), slot.gather(1, old)
+        # A node's reach is its owner's cell, capped by its parent's (a child is never likelier).
+        reach = cap_by_parents(torch.where(valid, accept.reshape(b, k * w).float().gather(1, slot.clamp(min=0)), 0.0),
+                               parents, depth)
+        reach = torch.where(valid, reach, 0.0)
+    if keep is not None:
+        key = torch.where(valid, reach - depth * 1e-6, -3.0)  # padding last
+        key[:, 0] = 2.0  # the root first
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+        keep_sorted = torch.arange(t, device=dev)[None] <= keep.to(dev)[:, None]
+        kept = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+        tokens, parents, valid, old = subtree(tokens, parents, valid, kept)
+        chain, slot, reach = chain.gather(1, old), slot.gather(1, old), reach.gather(1, old)
     tokens, chain, slot = torch.where(valid, tokens, 0), torch.where(valid, chain, -1), torch.where(valid, slot, -1)
-    return tokens, parents, valid, tree_depth(parents), ancestor_mask(parents, valid), chain, slot
+    reach = torch.where(valid, reach, 0.0)
+    return tokens, parents, valid, tree_depth(parents), ancestor_mask(parents, valid), chain, slot, reach
 
 
 def _path_to(last: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

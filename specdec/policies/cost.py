@@ -115,6 +115,12 @@ class StepCost:
         caller has it."""
         return planner.best_size(reach, self.costs(len(reach) + 1) if costs is None else costs)
 
+    def plan_size(self, reach: list[float]) -> int:
+        """How many of one row's draft nodes, reached with probabilities ``reach`` (any order), to verify:
+        :func:`specdec.policies.planner.plan_size` on this table, exploring when :meth:`explore` says so (called
+        once)."""
+        return planner.plan_size(reach, self.costs(len(reach) + 1), self.explore())
+
     def marginal_bar(self, tokens: float, seconds: float, extra_seconds: float) -> float:
         """:func:`specdec.policies.planner.marginal_bar`: the expected tokens that ``extra_seconds`` of work must
         add to a step emitting ``tokens`` in ``seconds`` (for drafters, which receive the planner with this

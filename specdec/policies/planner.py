@@ -4,8 +4,9 @@ cost and the measured draft seconds.
 Every rule here maximises expected tokens per second: a step that verifies ``n`` draft nodes emits
 ``1 + E[accepted]`` tokens and costs ``c(n + 1)`` of target time (the root is always verified), plus the draft's
 forwards where a draft model runs. Two rules do the work: :func:`best_size` (how many of the likeliest nodes to
-keep; :func:`best_sizes`, :func:`batch_width`, :func:`best_length` and :meth:`StepCost.best_size` are it over a
-batch, a common width, an acceptance model, a drafter's own list) and :func:`pays` (whether adding work raises
+keep; :func:`best_sizes`, :func:`batch_width`, :func:`best_length`, :func:`plan_size` and :meth:`StepCost.best_size`
+are it over a batch, a common width, an acceptance model, a drafter's own list; :func:`explored` is the one
+exploration rule on top) and :func:`pays` (whether adding work raises
 the rate: DISCO's next draft token, GSD's next frontier level); :func:`best_window` is PEARL's, where drafting
 overlaps verification.
 """
@@ -33,6 +34,20 @@ def best_size(reach: list[float], costs: list[float], base: float = 1.0) -> tupl
         if expected / costs[n] > best_rate:
             best_n, best_e, best_rate = n, expected, expected / costs[n]
     return best_n, best_e
+
+
+def explored(best: int, available: int, explore: bool) -> int:
+    """The exploration rule every size planner here shares: on an exploring plan (:meth:`StepCost.explore`), one
+    node more than the optimum ``best`` where ``available`` nodes allow, so sizes the plan avoids are timed
+    now and then."""
+    return min(best + 1, available) if explore else best
+
+
+def plan_size(reach: list[float], costs: list[float], explore: bool = False) -> int:
+    """How many of one row's draft nodes, reached with probabilities ``reach`` (any order), to verify: the
+    likeliest first, :func:`best_size` on them, then :func:`explored`. costs: ``c(1) .. c(len(reach) + 1)``."""
+    n, _ = best_size(sorted(reach, reverse=True), costs)
+    return explored(n, len(reach), explore)
 
 
 def pays(gain, tokens, seconds, extra_seconds):
@@ -124,9 +139,7 @@ def best_sizes(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost, explore
     n = torch.arange(rates.shape[1])[None]
     rates = rates.masked_fill(n > torch.tensor(n_valid)[:, None], float("-inf"))
     best = rates.argmax(1).tolist()  # the first (smallest) n among equal rates
-    if explore:
-        best = [min(b + 1, v) for b, v in zip(best, n_valid)]
-    return best
+    return [explored(b, v, explore) for b, v in zip(best, n_valid)]
 
 
 def _chain_sizes(reach: list[list[float]], drafted: list[int], cost: StepCost, explore: bool) -> list[int]:
@@ -136,7 +149,7 @@ def _chain_sizes(reach: list[list[float]], drafted: list[int], cost: StepCost, e
     out = []
     for row, n in zip(reach, drafted):
         best, _ = best_size(row[1: n + 1], costs)
-        out.append(min(best + 1, n) if explore else best)
+        out.append(explored(best, n, explore))
     return out
 
 
@@ -157,9 +170,7 @@ def batch_width(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost, active
     if active is not None:
         top = top[torch.tensor(active, dtype=torch.bool)]  # [B',T-1]: rows still generating
     expected = torch.cat([torch.zeros(1, dtype=top.dtype), top.sum(0)]) + float(top.shape[0])  # n = 0 .. T-1
-    width = int((expected / costs).argmax())  # the first (narrowest) among equal rates
-    if explore:
-        width = min(width + 1, max(n_valid))
+    width = explored(int((expected / costs).argmax()), max(n_valid), explore)  # the first (narrowest) of equal rates
     return [min(width, v) for v in n_valid]
 
 
