@@ -50,7 +50,7 @@ def one(args) -> dict:
     from specdec.prompts import read_prompts
     from specdec.verify import SamplingConfig
 
-    dec = SpecDecoder("smollm2", draft=args.draft, dtype=args.dtype, compile="off")
+    dec = SpecDecoder(args.model, draft=args.draft, dtype=args.dtype, compile="off")
     prompts = [p.ids for p in read_prompts(args.prompts, dec)]
     rows = [prompts[i % len(prompts)] for i in range(args.one)]
     sampling = SamplingConfig(temperature=args.temperature, seed=0)
@@ -61,7 +61,7 @@ def one(args) -> dict:
         res = dec.generate_ids(rows, args.method, args.max_new_tokens, sampling, max_memory=args.max_memory)
     measured = peak.peak - before
     est = res.stats.memory_estimate
-    return {"batch": args.one, "method": args.method, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+    return {"batch": args.one, "model": args.model, "method": args.method, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "longest_prompt": max(len(r) for r in rows), "chunks": res.stats.chunks,
             "estimate_bytes": est, "measured_peak_bytes": measured, "estimate_over_measured": est / measured,
             "rss_before_bytes": before,
@@ -71,6 +71,7 @@ def one(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m, or a local model folder")
     ap.add_argument("--method", default="pld")
     ap.add_argument("--draft", default=None)
     ap.add_argument("--dtype", default="fp32")
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--max-memory", default=None, help="forwarded to generate_ids (forces chunks when small)")
     ap.add_argument("--prompts", default="bench/dev_prompts.jsonl")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--append", action="store_true", help="add the runs to those already in --json")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args()
     if args.one is not None:
@@ -97,8 +99,12 @@ def main() -> None:
         print(f"batch {b:>4}: estimate {r['estimate_bytes'] / 2**20:8.1f} MiB, measured peak "
               f"{r['measured_peak_bytes'] / 2**20:8.1f} MiB, ratio {r['estimate_over_measured']:.2f}", flush=True)
     if args.json:
+        runs = []
+        if args.append and os.path.exists(args.json):
+            with open(args.json) as f:
+                runs = json.load(f)["runs"]
         with open(args.json, "w") as f:
-            json.dump({"runs": rows}, f, indent=1)
+            json.dump({"runs": runs + rows}, f, indent=1)
 
 
 if __name__ == "__main__":

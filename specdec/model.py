@@ -93,6 +93,23 @@ def _wide_tree_sdpa(env: str | None) -> int | None:
 WIDE_TREE_SDPA: int | None = _wide_tree_sdpa(settings.get("SPECDEC_WIDE_TREE_SDPA"))
 
 
+def route_attention(preferred: str, device: torch.device, tokens: int, prompt: bool) -> tuple[str, bool]:
+    """How one forward attends: ``(attention, native)``, the one place a forward's route is decided.
+
+    preferred: the runner's setting (:func:`default_attention`); tokens: the forward's tokens per row;
+    prompt: a prompt on an empty cache. A wide tree or chain on an AVX-512 CPU takes ``"sdpa"``
+    (:data:`WIDE_TREE_SDPA`); native: whether the ``"kernel"`` route runs the compiled extension's kernel
+    (else :func:`specdec.kernels.tree_attention` picks Triton or the torch reference). Within the forward,
+    each layer of a prompt may still take causal SDPA (:data:`PROMPT_ATTENTION`: it depends on the layer's
+    sliding window)."""
+    attention = preferred
+    if (attention == "kernel" and WIDE_TREE_SDPA is not None and tokens >= WIDE_TREE_SDPA and not prompt
+            and _prompt_sdpa(device.type)):
+        attention = "sdpa"
+    native = attention == "kernel" and kernels.choose("tree_attention", device, None, ("cpu",), triton=True) == "native"
+    return attention, native
+
+
 # A ragged batch's prompts are encoded row by row when that computes fewer positions than one padded forward,
 # counting a row as at least this many (below it a forward's cost is the weights' read, not the tokens).
 ROW_PREFILL_MIN = 64
@@ -197,7 +214,7 @@ def specdec_attention(module, query, key, value, attention_mask, scaling=None, d
         return out.transpose(1, 2).contiguous(), None
     # On the CPU the kernel beats SDPA for few queries, one token included (0.05 against 0.065 ms per layer
     # in fp32 and 0.49 ms in bf16 at a 400-token context, AVX2), and at every size without AVX-512 (wide trees
-    # there come with meta.attention "sdpa": ModelRunner._run); elsewhere a one-token step with every key
+    # there come with meta.attention "sdpa": route_attention); elsewhere a one-token step with every key
     # visible is SDPA's unmasked (flash) path.
     if meta.attention == "kernel" and (query.device.type == "cpu" or not meta.all_visible(window)):
         p = meta.prefix_len
@@ -500,11 +517,8 @@ class ModelRunner:
             key_positions = None if key_positions is None else _inference(key_positions)
             if extra_inputs:
                 extra_inputs = {k: _inference(v) if isinstance(v, torch.Tensor) else v for k, v in extra_inputs.items()}
-        attention = self.attention
-        if (attention == "kernel" and WIDE_TREE_SDPA is not None and t >= WIDE_TREE_SDPA and _prompt_sdpa(self.device.type)
-                and not (self.cache.write_pos + self.cache.pending == 0 and tree_mask is None)):
-            attention = "sdpa"  # a wide tree or chain on an AVX-512 CPU (prompts on an empty cache excepted)
-        native = attention == "kernel" and kernels.choose("tree_attention", self.device, None, ("cpu",), triton=True) == "native"
+        prompt = self.cache.write_pos + self.cache.pending == 0 and tree_mask is None
+        attention, native = route_attention(self.attention, self.device, t, prompt)
         meta = TreeAttentionMeta(self.cache.lengths, self.cache.write_pos, tree_mask, positions, self.batch_size == 1,
                                  attention, native, key_positions)
         out = forward(

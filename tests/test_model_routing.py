@@ -116,3 +116,24 @@ def test_one_token_step_route(dtype, monkeypatch):
         truth, _, _ = one_step("sdpa", copy.deepcopy(model).float(), token)
         sdpa_err, kernel_err = (want - truth).abs().max().item(), (got - truth).abs().max().item()
         assert kernel_err <= 1.5 * sdpa_err + 1e-3, (kernel_err, sdpa_err)
+
+
+def test_one_forward_route(monkeypatch):
+    """:func:`route_attention`: wide trees and chains on an AVX-512 CPU take SDPA (prompts on an empty cache and
+    narrow forwards keep the kernel); without AVX-512, or with the route off, the kernel stays; ``native`` only on
+    the kernel route, where the extension has one."""
+    from specdec import model as model_mod
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(model_mod, "WIDE_TREE_SDPA", 8)
+    monkeypatch.setattr(model_mod, "_prompt_sdpa", lambda device_type: True)
+    native = kernels.has_native("tree_attention")
+    assert model_mod.route_attention("kernel", cpu, 8, prompt=False) == ("sdpa", False)
+    assert model_mod.route_attention("kernel", cpu, 7, prompt=False) == ("kernel", native)
+    assert model_mod.route_attention("kernel", cpu, 64, prompt=True) == ("kernel", native)
+    assert model_mod.route_attention("sdpa", cpu, 1, prompt=False) == ("sdpa", False)
+    monkeypatch.setattr(model_mod, "_prompt_sdpa", lambda device_type: False)
+    assert model_mod.route_attention("kernel", cpu, 64, prompt=False) == ("kernel", native)
+    monkeypatch.setattr(model_mod, "_prompt_sdpa", lambda device_type: True)
+    monkeypatch.setattr(model_mod, "WIDE_TREE_SDPA", None)
+    assert model_mod.route_attention("kernel", cpu, 64, prompt=False) == ("kernel", native)
