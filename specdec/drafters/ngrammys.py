@@ -21,7 +21,7 @@ import torch
 from specdec import kernels
 from specdec.contracts import SUPPORT_LEVELS, Budget, DecodeState, num_cells, num_sources
 from specdec.drafters.base import Drafter
-from specdec.kernels.reference import cap_by_parents, shared_prefixes
+from specdec.kernels.reference import shared_prefixes
 from specdec.ngram_corpus import NGramCorpus
 from specdec.ngram_tables import NGramTables, extend_bigram
 from specdec.tree import DraftTree
@@ -255,8 +255,8 @@ class NGrammysDrafter(Drafter):
 def best_chain(roots: torch.Tensor, drafts: torch.Tensor, source: torch.Tensor, rank: torch.Tensor, w_max: int,
                rates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row, the one chain to verify among ``k`` drafts: the root-to-leaf path of their trie with the most
-    expected accepted tokens (the sum of its nodes' reach, as :func:`specdec.kernels.draft_tree` estimates it), for an engine that verifies
-    chains only. Ties go to the drafter's order.
+    expected accepted tokens (the sum of its nodes' reach, as :func:`specdec.kernels.draft_tree` estimates it),
+    for an engine that verifies chains only. Ties go to the drafter's order.
 
     roots: ``[B]``; drafts, source, rank: ``[B,k,w]`` / ``[B,k]`` / ``[B,k]`` as :meth:`NGrammysDrafter.drafts`
     returns them; w_max: the drafter's ``w`` (cells are numbered by it); rates: ``[cells]`` fp32,

@@ -368,7 +368,7 @@ def draft_tree(
             None. A node's reach is that of the first chain through it, capped by its parent's.
         keep: ``[B]`` int64 (needs ``accept``): row ``b`` keeps its ``keep[b]`` draft nodes of highest
             reach (ties: shallower first, then node order; all it holds if fewer), in node order. How
-            many pay is the planner's call (:func:`specdec.policies.planner.best_sizes` on the uncut
+            many pay is the planner's call (:func:`specdec.policies.planner.plan_size` on the uncut
             tree's reach); this op only cuts.
     Returns:
         tokens, parents (-1 at the root), valid (bool), depth, all ``[B, T]``; the packed ancestor-or-self

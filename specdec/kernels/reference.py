@@ -383,7 +383,6 @@ def draft_tree(
         # A node's reach is its owner's cell, capped by its parent's (a child is never likelier).
         reach = cap_by_parents(torch.where(valid, accept.reshape(b, k * w).float().gather(1, slot.clamp(min=0)), 0.0),
                                parents, depth)
-        reach = torch.where(valid, reach, 0.0)
     if keep is not None:
         key = torch.where(valid, reach - depth * 1e-6, -3.0)  # padding last
         key[:, 0] = 2.0  # the root first
