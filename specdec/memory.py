@@ -2,8 +2,8 @@
 
 A call allocates, beside the weights already loaded: the target's preallocated KV cache (every row's
 prompt, new tokens and the largest draft tree the method can propose), the draft's cache, and
-transient buffers, the largest of which are the prompt forward's activations and a decode step's
-logits with the verification's fp32 copies of them. :func:`estimate` adds these up from the model
+transient buffers, the largest of which are the prompt forward's activations, a decode step's
+logits with the verification's fp32 copies of them, and the draft's own widest forwards. :func:`estimate` adds these up from the model
 configs; :func:`chunks` splits a batch into consecutive runs of rows that fit a limit (rows are
 independent, so outputs do not change). The activation factors were fitted to peaks measured on the
 embedded SmolLM2-135M (``python -m bench.memory``; bench/RESULTS.md, "Memory").
@@ -151,8 +151,23 @@ def estimate(shape: CallShape, prompt_lens: list[int]) -> MemoryEstimate:
     logits = b * t * vocab
     copies = shape.sampling_copies + (0 if size == 4 else 1)  # half-precision logits are widened once
     step = logits * size + int(copies * logits * 4) + int(per_token * b * t)
-    parts["transient"] = max(prefill, step)
+    parts["transient"] = max(prefill, step, _draft_transient(shape.draft, b, longest, t))
     return MemoryEstimate(parts)
+
+
+def _draft_transient(draft: torch.nn.Module | None, b: int, longest: int, t: int) -> int:
+    """The larger of the draft's two widest forwards, counted as the target's are: catching up on the prompts
+    (``b x longest`` tokens, logits at each row's last token only) and a step over at most ``t`` nodes (its
+    logits, over the reduced vocabulary where the draft has one, and their fp32 copy)."""
+    if draft is None:
+        return 0
+    _, _, _, hidden, inter, vocab = _dims(draft.config)
+    vocab = getattr(draft.config, "draft_vocab_size", None) or vocab
+    size = torch.empty(0, dtype=draft.dtype).element_size()
+    per_token = FORWARD_BYTES.get(size, 26.0) * (hidden + inter)
+    prompt = per_token * b * longest + b * min(b, longest) * vocab * size
+    step = per_token * b * t + b * t * vocab * (size + 4)
+    return int(max(prompt, step))
 
 
 def sampling_copies(sampling) -> float:

@@ -621,7 +621,8 @@ class ModelRunner:
         return hidden
 
     @torch.inference_mode()
-    def forward_tree(self, tree: DraftTree, return_hidden: bool = False, extra_inputs: dict | None = None):
+    def forward_tree(self, tree: DraftTree, return_hidden: bool = False, extra_inputs: dict | None = None,
+                     logits_at: list[int] | None = None):
         """Run the model over a draft tree. Returns logits ``[B,T,V]`` and the last hidden state
         ``[B,T,H]`` (None unless ``return_hidden``).
 
@@ -630,11 +631,15 @@ class ModelRunner:
         or grow the tree further with :meth:`forward_pending`.
         ``extra_inputs``: further per-node model inputs, e.g. ``{"target_hidden": [B,T,H]}`` for a
         feature-conditioned draft.
+        ``logits_at``: only these node columns' logits, ``[B,len(logits_at),V]``, for a prompt-sized forward
+        that needs a few (a draft catching up on a prompt); it runs eager, as a prefill does, so the compiled
+        graphs stay those of decoding.
         """
         positions = tree.positions(self.cache.lengths)
         self.drop_pending()
-        out = self._run(tree.tokens, positions, tree.mask, return_hidden=return_hidden, extra_inputs=extra_inputs,
-                        compiled=True)
+        keep = 0 if logits_at is None else torch.tensor(logits_at, device=self.device)
+        out = self._run(tree.tokens, positions, tree.mask, keep, return_hidden=return_hidden,
+                        extra_inputs=extra_inputs, compiled=logits_at is None)
         self.cache.pending, self.cache.pending_positions = tree.size, positions
         return out
 

@@ -137,3 +137,32 @@ def test_node_caps_keep_a_tree_and_stay_lossless():
                                StaticLength(3, max_nodes=2))
     assert out.tokens == [hf_generate(target, p, 20, GREEDY) for p in prompts]
     assert max(seen) <= 2 and max(seen) > 0
+
+
+def test_prompt_catch_up_computes_last_logits_only(monkeypatch):
+    """A draft catching up on ragged prompts longer than CATCH_UP_ALL_LOGITS computes logits at each row's last
+    token only ([B, distinct last columns, V], not [B, W, V]) and returns what the full forward gives there."""
+    import specdec.drafters.draft_model as dm
+
+    prompts = [prompt_of(70, seed=1), prompt_of(100, seed=2), prompt_of(70, seed=3), prompt_of(90, seed=4)]
+    got, default = {}, dm.CATCH_UP_ALL_LOGITS
+    for limit in (default, 10**6):
+        monkeypatch.setattr(dm, "CATCH_UP_ALL_LOGITS", limit)
+        runner = ModelRunner(tiny_model("llama"))
+        widths = []
+        forward = runner.forward_tree
+
+        def spy(*args, **kwargs):
+            logits, hidden = forward(*args, **kwargs)
+            widths.append(logits.shape[1])
+            return logits, hidden
+
+        runner.forward_tree = spy
+        drafter = DraftModelDrafter(runner, GREEDY)
+        state = _state(prompts)
+        drafter.begin(state)
+        got[limit] = (drafter.catch_up(state)[0], widths)
+    (cut, cut_widths), (full, full_widths) = got[default], got[10**6]
+    assert cut_widths == [3] and full_widths == [100]  # the rows end at columns 69, 89 and 99
+    torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cut.argmax(-1), full.argmax(-1))

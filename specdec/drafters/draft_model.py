@@ -10,6 +10,9 @@ from specdec.model import ModelRunner, model_label
 from specdec.tree import DraftTree, SparseProbs
 from specdec.verify import SamplingConfig, check_logits, processed_logits
 
+# Catch-ups wider than this (a prompt, never a decoding step's accepted tokens) compute each row's last logits only.
+CATCH_UP_ALL_LOGITS = 64
+
 
 class DraftModelDrafter(Drafter):
     """Drafts ``k`` tokens one forward at a time with its own preallocated cache.
@@ -151,10 +154,13 @@ class DraftModelDrafter(Drafter):
         pad = torch.arange(width, device=dev)[None] >= torch.tensor(todo, device=dev)[:, None]
         chunk = state.seq.gather(1, idx.clamp(max=state.seq.shape[1] - 1)).masked_fill(pad, -1)
         catch_up = DraftTree.chain(chunk[:, 0], chunk[:, 1:])
-        logits, hidden = self.runner.forward_tree(catch_up, self.needs_hidden, self.catch_up_inputs(idx))
+        # A prompt-sized catch-up computes logits at each row's last node only: [B, W, V] of them would be the
+        # largest transient of a draft-model call (and a tenth of its prompt forward's work).
+        cols = sorted({t - 1 for t in todo}) if width > CATCH_UP_ALL_LOGITS else None
+        logits, hidden = self.runner.forward_tree(catch_up, self.needs_hidden, self.catch_up_inputs(idx), cols)
         last = torch.tensor(todo, device=dev) - 1
         rows = torch.arange(b, device=dev)
-        logits = logits[rows, last]
+        logits = logits[rows, last if cols is None else torch.tensor([cols.index(t - 1) for t in todo], device=dev)]
         hidden = hidden[rows, last] if hidden is not None else None
         counts = torch.tensor(todo, device=dev)
         self.runner.commit(torch.arange(width, device=dev).expand(b, width), counts, True, todo)
