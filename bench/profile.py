@@ -4,6 +4,7 @@
 
     step-split     a method's decode time after prefill: target forwards against everything else
     step-cost      the target's cost of one forward over T tree tokens, c(T), as the runtime calibrates it
+    draft-cost     c, one draft forward over one target step, per draft and draft weights (dense, q8)
     forward-split  one forward over T tokens split into the linear layers and the rest (--compile: also compiled)
     model-linears  every linear layer of the model over M rows, alone, through the packed kernel (and torch's)
     prefill        prompt encoding through causal SDPA against the tree-attention kernel
@@ -188,6 +189,53 @@ def step_cost(args: argparse.Namespace) -> None:
     print("|---|" + "---|" * len(sizes))
     for dtype, row in out["ms"].items():
         print(f"| {dtype} | " + " | ".join(f"{row[t]:.1f}" for t in sizes) + " |")
+    finish(out, args.json)
+
+
+# ----------------------------------------------------------------------------------------
+# draft-cost
+# ----------------------------------------------------------------------------------------
+
+DRAFT_COST = """c, what a draft forward costs: one draft token's forward over one target step, per draft and weights.
+
+    python -m bench.profile draft-cost --dtype bf16 --drafts smollm2-draft,smollm2-eagle --draft-weights dense,q8
+
+For each draft and each ``--draft-weights`` (dense: as shipped; q8: its linear layers as 8-bit blocks,
+:mod:`specdec.draft_weights`) one decoder is built; the target's one-token step (``StepCost``) and the draft's
+one-token forward (``draft_seconds``, what the planners read) are each the best of ``--repeats`` calibrations
+after a ``--context``-token prefix, interleaved round by round. c is the draft's over the target's, same
+threads. The draft-model methods live on it: a drafted token that is accepted a of the time pays for itself
+only while c < a.
+"""
+
+
+def draft_cost(args: argparse.Namespace) -> None:
+    from specdec.draft_models import warm_up_inputs
+    from specdec.linear import weight_bytes
+    from specdec.policies import StepCost
+
+    out = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": args.dtype, "compile": args.compile,
+           "context": args.context, "runs": []}
+    decs = [(name, w, decoder(args.model, args.dtype, compile=args.compile, draft=name, draft_weights=w))
+            for name in args.drafts.split(",") for w in args.draft_weights.split(",")]
+    best = {(name, w): [float("inf"), float("inf")] for name, w, _ in decs}
+    for _ in range(args.repeats):  # rounds over all decoders: a busy moment skews them alike
+        for name, w, dec in decs:
+            model, runner = dec.get_draft(name)
+            target = StepCost.calibrate(dec.runner, context=args.context, repeats=1, sizes=(1,))(1)
+            draft = StepCost.calibrate(runner, context=args.context, repeats=1, sizes=(1,),
+                                       extra_inputs=warm_up_inputs(model))(1)
+            b = best[(name, w)]
+            b[0], b[1] = min(b[0], target), min(b[1], draft)
+    print(f"{out['cpu']}, {out['threads']} threads, {args.dtype}, compile {args.compile}, best of {args.repeats}")
+    print("| draft | weights | MB read | draft ms | target ms | c |")
+    print("|---|---|---|---|---|---|")
+    for name, w, dec in decs:
+        target, draft = best[(name, w)]
+        mb = weight_bytes(dec.get_draft(name)[0]) / 1e6
+        out["runs"].append({"draft": name, "draft_weights": w, "draft_mb": round(mb, 1), "draft_ms": draft * 1e3,
+                            "target_ms": target * 1e3, "c": draft / target})
+        print(f"| {name} | {w} | {mb:.1f} | {draft * 1e3:.2f} | {target * 1e3:.2f} | {draft / target:.3f} |")
     finish(out, args.json)
 
 
@@ -660,6 +708,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", default="off", choices=["off", "on"],
                    help="on: calibrate the compiled runner (compiled first); default off")
     p.set_defaults(run=step_cost)
+
+    p = subcommand(subs, "draft-cost", DRAFT_COST)
+    p.add_argument("--drafts", default="smollm2-draft,smollm2-eagle")
+    p.add_argument("--draft-weights", default="dense,q8")
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--compile", default="off", choices=["off", "on"])
+    p.set_defaults(run=draft_cost)
 
     p = subcommand(subs, "forward-split", FORWARD_SPLIT)
     p.add_argument("--context", type=int, default=400)

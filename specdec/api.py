@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from transformers import PreTrainedModel
 from specdec import memory, methods
 from specdec.decoding import DecodeResult, DecodeStats, autoregressive_generate, speculative_generate
 from specdec.draft_models import is_feature_draft, warm_up_inputs
+from specdec.draft_weights import DRAFT_WEIGHTS, quantize_draft
 from specdec.draft_worker import ConcurrentDraft, InlineDraft, ProcessDraft
 from specdec.hub import DEFAULT_MODEL, DRAFTS, cache_dir, load_model, tables_cache_dir
 from specdec.model import ModelRunner
@@ -74,7 +76,9 @@ class SpecDecoder:
     is the default, ``sd``'s ``draft=NAME`` option picks another (loaded ones are ``draft0``, ...). ``linear``: kernel of the linear
     layers of models loaded by name (``auto``, ``packed``, ``skinny``, ``torch``; see :mod:`specdec.linear`); a
     loaded model is used as given. ``weights``: ``auto`` (default: a model from a GGUF file computes with the
-    file's quantized blocks as stored, :mod:`specdec.gguf_weights`), ``gguf`` or ``dense``. ``compile``: whether the runners of target and drafts run their decode
+    file's quantized blocks as stored, :mod:`specdec.gguf_weights`), ``gguf`` or ``dense``. ``draft_weights``:
+    ``dense`` (default) or ``q8``, the drafts' linear layers as 8-bit blocks, swapped in place
+    (:mod:`specdec.draft_weights`; output stays the target's). ``compile``: whether the runners of target and drafts run their decode
     forwards through ``torch.compile`` (:class:`ModelRunner`): ``"auto"`` (the default, from
     ``$SPECDEC_COMPILE``) decodes eagerly while the graphs compile in the background and switches to
     them between generations once ready; ``"on"``/``True`` compiles here, before returning;
@@ -87,7 +91,9 @@ class SpecDecoder:
                  draft: str | PreTrainedModel | list | None = None,
                  dtype: str = "fp32", tokenizer=None, device: str = "cpu", linear: str = "auto",
                  corpus: "str | NGramCorpus | None" = "auto", compile: bool | str | None = None,
-                 weights: str = "auto"):
+                 weights: str = "auto", draft_weights: str = "dense"):
+        if draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {draft_weights!r}")
         mode = compile_mode(compile)
         runner_compile = {"on": True, "saved": "saved"}.get(mode, False)
         if mode != "off":
@@ -110,6 +116,10 @@ class SpecDecoder:
                                  f"{dm.config.hidden_size}, the target's are {width}: it was made for another target")
             if name in self.drafts:
                 raise ValueError(f"draft {name!r} given twice")
+            if draft_weights == "q8":
+                if isinstance(d, PreTrainedModel):  # the caller's module (perhaps the target itself) stays as given
+                    dm = copy.deepcopy(dm)
+                quantize_draft(dm)
             self.drafts[name] = (dm, ModelRunner(dm, compile=runner_compile))
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
         self.runner = ModelRunner(self.model, compile=runner_compile)

@@ -7,6 +7,7 @@ calls are counted with forward hooks, the same way for every method.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
@@ -57,8 +58,10 @@ def _run_batch(dec: SpecDecoder, label: str, prompts: list[list[int]], max_new: 
     """One method over a ragged batch of prompts in one call: the new tokens per prompt and the call's stats (None
     for transformers' methods)."""
     method, own = parse_label(label)
-    if method in HF_METHODS:  # transformers' model as a transformers user has it: dense weights
-        with dense_weights(dec.model):
+    if method in HF_METHODS:  # transformers' models as a transformers user has them: dense weights
+        with contextlib.ExitStack() as dense:
+            for model in [dec.model] + [m for m, _ in dec.drafts.values()]:
+                dense.enter_context(dense_weights(model))
             if method == "hf" and len(prompts) > 1:
                 return hf_generate_batch(dec.model, prompts, max_new, sampling), None
             # transformers' prompt lookup and assisted generation take one prompt at a time
@@ -207,9 +210,11 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
 
 
 def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int, sampling: SamplingConfig,
-                 linear: str = "torch", compile: bool = False, weights: str = "dense") -> dict:
+                 linear: str = "torch", compile: bool = False, weights: str = "dense",
+                 draft_weights: str = "dense") -> dict:
     return {
         "model": model, "draft": draft, "dtype": dtype, "linear": linear, "compile": compile, "weights": weights,
+        "draft_weights": draft_weights,
         "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
         "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__, "transformers": transformers.__version__,

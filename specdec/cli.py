@@ -26,6 +26,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "activations and sums, never quantized: the model's exact weights, 2.8x fewer bytes per step "
                         "for smollm2); dense: transformers' dequantized weights; auto (default): gguf for a model "
                         "from a GGUF file (smollm2, gemma3-270m, a .gguf path)")
+    p.add_argument("--draft-weights", default="dense", choices=["dense", "q8"],
+                   help="q8: the drafts' linear layers as 8-bit blocks (int8 codes, an fp16 scale per 32 weights), "
+                        "half the bytes a draft forward reads; the output stays the target's (verification is "
+                        "exact whatever a draft computes); dense (default): as the drafts ship")
     p.add_argument("--compile", nargs="?", const="on", default=None, choices=["auto", "on", "off", "saved"],
                    help="run specdec's decode forwards (target and drafts) through torch.compile, which fuses the "
                         "model's small ops (about 1.3x faster on a CPU; hf baselines stay eager). Compiling takes "
@@ -93,7 +97,7 @@ def _decoder(args):
         compile = "saved"
     dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype,
                       linear=args.linear, corpus=None if args.corpus == "none" else args.corpus, compile=compile,
-                      weights=args.weights)
+                      weights=args.weights, draft_weights=args.draft_weights)
     if args.command == "bench" and compile_mode(compile) == "auto":
         print("specdec: compiling the decode graphs before timing (minutes the first time on this machine, "
               "then from the cache)", file=sys.stderr)
@@ -145,7 +149,7 @@ def cmd_bench(args) -> int:
     options = {name: _method_options(args, name) for name in {parse_label(m)[0] for m in methods}}
     result = run_bench(dec, methods, prompts, args.max_new_tokens, s, options,
                        bench_config(args.model, args.draft, args.dtype, args.max_new_tokens, s, args.linear,
-                                    dec.compiled, _weights_used(dec)), batch_size=args.batch_size)
+                                    dec.compiled, _weights_used(dec), args.draft_weights), batch_size=args.batch_size)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,62 @@
+"""Drafts with 8-bit weights (draft_weights="q8"): the codes, and output that stays the target's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.api import SpecDecoder, hf_generate
+from specdec.draft_weights import q8_codes, quantize_draft
+from specdec.gguf_weights import QuantLinear
+from specdec.linear import weight_bytes
+from specdec.verify import SamplingConfig
+from tests.conftest import tiny_model
+from tests.test_greedy_lossless import perturbed, prompt_of
+
+GREEDY = SamplingConfig()
+
+
+def test_q8_codes_round_to_nearest_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=g) * torch.logspace(-3, 1, 96)
+    w[3, :32] = 0.0  # an all-zero group: scale 0, codes 0
+    ac = q8_codes(w)
+    assert ac.codes.dtype == torch.int8 and int(ac.codes.abs().max()) <= 127
+    assert torch.equal(ac.scale.half().float(), ac.scale)  # exact fp16 scales, as the kernel stores them
+    assert int(ac.codes[3, :32].abs().max()) == 0 and float(ac.scale[3, 0]) == 0.0
+    err = (ac.dequantize() - w).abs().view(40, 3, 32)
+    assert bool((err <= ac.scale[..., None] / 2 * (1 + 1e-3) + 1e-12).all())
+    with pytest.raises(ValueError, match="groups of 32"):
+        q8_codes(torch.zeros(4, 40))
+
+
+def test_quantized_draft_halves_its_bytes_and_keeps_the_targets_output():
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6), draft_weights="q8")
+    draft = dec.get_draft()[0]
+    assert all(isinstance(m, QuantLinear) for m in draft.modules() if isinstance(m, torch.nn.Linear))
+    assert not any(isinstance(m, QuantLinear) for m in target.modules())  # the target is never quantized
+    dense = SpecDecoder(target, draft=perturbed(target, 0.6))
+    assert weight_bytes(draft) < 0.6 * weight_bytes(dense.get_draft()[0])
+    prompts = [prompt_of(9, seed=1), prompt_of(70, seed=2)]
+    for method, opts in [("sd", {"draft_length": 4}), ("gsd", {}), ("ouroboros", {})]:
+        out = dec.generate_ids(prompts, method, 30, GREEDY, **opts)
+        assert out.tokens == [hf_generate(target, p, 30, GREEDY) for p in prompts], method
+        assert out.stats.drafted_tokens > 0, method
+
+
+def test_quantizing_the_target_as_its_own_draft_leaves_the_target_dense():
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=target, draft_weights="q8")
+    assert dec.get_draft()[0] is not target and not any(isinstance(m, QuantLinear) for m in target.modules())
+    prompt = prompt_of(12, seed=4)
+    out = dec.generate_ids([prompt], "sd", 30, GREEDY, draft_length=5)
+    assert out.tokens[0] == hf_generate(target, prompt, 30, GREEDY)
+    assert out.stats.accepted_tokens > 0
+
+
+def test_bad_draft_weights():
+    target = tiny_model("llama")
+    with pytest.raises(ValueError, match="draft_weights must be one of dense, q8"):
+        SpecDecoder(target, draft=target, draft_weights="q4")
+    with pytest.raises(ValueError, match="no linear layers"):
+        quantize_draft(torch.nn.Sequential(torch.nn.ReLU()))
