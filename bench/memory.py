@@ -7,6 +7,10 @@ thread samples the process's resident memory every millisecond. The measured fig
 resident memory just before the call; the estimate is :func:`specdec.memory.estimate` for the same call::
 
     python -m bench.memory --batches 1,16,64 --method pld --dtype fp32 --json bench/results/memory_estimate.json
+
+``--forwards 16x128,4x512`` measures instead the one factor the estimate takes from measurement, a prompt
+forward's transient per token (:data:`specdec.memory.FORWARD_BYTES`), on single forwards, so that every
+generation's peak checks the estimate out of sample.
 """
 from __future__ import annotations
 
@@ -68,6 +72,34 @@ def one(args) -> dict:
             "parts": dec.estimate_memory(rows, args.method, args.max_new_tokens, sampling).parts}
 
 
+def forwards(args) -> dict:
+    """The transient of one padded prompt forward per ``ROWSxT`` shape of ``--forwards``, for the target and the
+    ``--draft``: peak resident memory less that before, less the cache the forward allocated, per token and per
+    (hidden + intermediate) element: what :data:`specdec.memory.FORWARD_BYTES` states."""
+    import torch
+
+    from specdec.api import SpecDecoder
+    from specdec.memory import _dims, kv_cache_bytes
+
+    dec = SpecDecoder(args.model, draft=args.draft, dtype=args.dtype, compile="off")
+    out = []
+    for label, runner in [("target", dec.runner)] + [(name, r) for name, (_, r) in dec.drafts.items()]:
+        _, _, _, hidden, inter, _ = _dims(runner.model.config)
+        for shape in args.forwards.split(","):
+            rows, t = (int(v) for v in shape.split("x"))
+            runner.reset(rows, t + 1)
+            ids = torch.randint(10, 1000, (rows, t), generator=torch.Generator().manual_seed(0))
+            gc.collect()
+            before = rss()
+            with PeakRSS() as peak, torch.inference_mode():
+                runner.prefill(ids, torch.full((rows,), t))
+            transient = peak.peak - before - kv_cache_bytes(runner.model.config, rows, t + 1, runner.model.dtype)
+            out.append({"model": label, "rows": rows, "tokens": t, "transient_bytes": transient,
+                        "bytes_per_token_element": transient / (rows * t) / (hidden + inter)})
+            runner.release()
+    return {"dtype": args.dtype, "forwards": out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16,64")
@@ -81,13 +113,16 @@ def main() -> None:
     ap.add_argument("--prompts", default="bench/dev_prompts.jsonl")
     ap.add_argument("--json", default=None)
     ap.add_argument("--append", action="store_true", help="add the runs to those already in --json")
+    ap.add_argument("--forwards", default=None, metavar="ROWSxT,...",
+                    help="instead: one padded prompt forward per shape (e.g. 16x128,4x512), target and --draft, "
+                         "and its transient per token and (hidden + intermediate) element")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args()
     if args.one is not None:
-        print(json.dumps(one(args)))
+        print(json.dumps(forwards(args) if args.forwards else one(args)))
         return
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in [0] if args.forwards else (int(x) for x in args.batches.split(",")):
         cmd = [sys.executable, "-m", "bench.memory", "--one", str(b)] + sys.argv[1:]
         # glibc keeps freed heap memory for reuse, so a peak could hide in memory an earlier allocation (model
         # loading) freed: every allocation past 64 KiB is mapped and unmapped on its own instead, and resident
@@ -96,6 +131,11 @@ def main() -> None:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
         rows.append(json.loads(out))
         r = rows[-1]
+        if args.forwards:
+            for f in r["forwards"]:
+                print(f"{args.dtype} {f['model']} {f['rows']}x{f['tokens']}: transient {f['transient_bytes'] / 2**20:.1f} "
+                      f"MiB, {f['bytes_per_token_element']:.1f} bytes per token and element", flush=True)
+            continue
         print(f"batch {b:>4}: estimate {r['estimate_bytes'] / 2**20:8.1f} MiB, measured peak "
               f"{r['measured_peak_bytes'] / 2**20:8.1f} MiB, ratio {r['estimate_over_measured']:.2f}", flush=True)
     if args.json:

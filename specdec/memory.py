@@ -1,12 +1,13 @@
 """Memory a generation call needs, what the process may use, and batch chunks that fit.
 
-A call allocates, beside the weights already loaded: the target's preallocated KV cache (every row's
-prompt, new tokens and the largest draft tree the method can propose), the draft's cache, and
-transient buffers, the largest of which are the prompt forward's activations, a decode step's
-logits with the verification's fp32 copies of them, and the draft's own widest forwards. :func:`estimate` adds these up from the model
-configs; :func:`chunks` splits a batch into consecutive runs of rows that fit a limit (rows are
-independent, so outputs do not change). The activation factors were fitted to peaks measured on the
-embedded SmolLM2-135M (``python -m bench.memory``; bench/RESULTS.md, "Memory").
+A call allocates, beside the weights already loaded: the target's preallocated KV cache (every row's prompt, new
+tokens and the largest draft tree the method can propose), the draft's cache, and transient buffers, the largest
+of which are the prompt forward's activations (one row's where ragged prompts are encoded row by row), a decode
+step's logits with the verification's fp32 copies of them, and the draft's own widest forwards; before them, a
+batch's step-cost calibration runs on a cache of its own. :func:`estimate` adds these up from the model configs;
+:func:`chunks` splits a batch into consecutive runs of rows that fit a limit (rows are independent, so outputs
+do not change). The one measured factor, a forward's bytes per token, comes from single forwards, not from the
+generations' peaks that check the estimate (``python -m bench.memory``; bench/RESULTS.md, "Memory").
 """
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ GIB = 2**30
 class MemoryLimitError(MemoryError):
     """A call does not fit the memory it may use (and chunking is off, or one row alone is too large)."""
 
-# Transient bytes per token of a forward, per (hidden + intermediate) element: the MLP's gate, up and product
-# rows and the attention's rows live at once. Half precision costs more than fp32: on a CPU without bf16
-# matrix instructions the products widen their rows to fp32 (specdec.linear). Measured on SmolLM2-135M:
-# 12.7-13.3 bytes (fp32) and 24.0-25.3 (bf16) at batch 16 and 64 (bench/RESULTS.md, Memory).
-FORWARD_BYTES = {4: 14.0, 2: 26.0}
+# Transient bytes per token of a prompt-sized forward, per (hidden + intermediate) element: the MLP's gate, up and
+# product rows and the attention's rows live at once. Measured on single padded forwards of SmolLM2-135M and its
+# draft (16 x 128 and 4 x 512 tokens): 12.0-13.2 bytes in fp32, 7.7-8.8 in bf16
+# (`python -m bench.memory --forwards 16x128,4x512 --draft smollm2-draft`; bench/RESULTS.md, Memory).
+FORWARD_BYTES = {4: 14.0, 2: 9.0}
 # fp32 copies of a step's logits ([B,T,V] each) the verifier makes beyond widening half-precision logits:
 # greedy none (the argmax reads the widened logits); sampling the processed logits and their softmax, and
 # with top-p the sort's values, order (int64, two) and cumulative sums.
@@ -134,7 +135,8 @@ class CallShape:
 
 
 def estimate(shape: CallShape, prompt_lens: list[int]) -> MemoryEstimate:
-    """The memory a call over prompts of ``prompt_lens`` tokens needs (see the module docstring)."""
+    """The memory a call over prompts of ``prompt_lens`` tokens needs (see the module docstring): its caches plus
+    the largest transient of its phases, or the first phase, a batch step-cost calibration, where that is larger."""
     b, longest = len(prompt_lens), max(prompt_lens)
     seq = longest + shape.max_new_tokens + 1
     cfg, dtype = shape.target.config, shape.target.dtype
@@ -143,16 +145,41 @@ def estimate(shape: CallShape, prompt_lens: list[int]) -> MemoryEstimate:
     parts = {"target KV": kv_cache_bytes(cfg, b, seq + shape.tree_nodes, dtype)}
     if shape.draft is not None:
         parts["draft KV"] = kv_cache_bytes(shape.draft.config, b, seq + shape.tree_nodes + 8, shape.draft.dtype)
-    per_token = FORWARD_BYTES.get(size, 26.0) * (hidden + inter)
-    prefill = int(per_token * b * longest)
-    if shape.needs_hidden:  # every layer's hidden states of the prompt (output_hidden_states)
-        prefill += (layers + 1) * b * longest * hidden * size
+    per_token = FORWARD_BYTES.get(size, 9.0) * (hidden + inter)
+    # Ragged prompts are encoded one row per forward where padding would waste work (ModelRunner.prefill).
+    rows = 1 if _rowwise_prefill(prompt_lens) else b
+    prefill = int(per_token * rows * longest)
+    if shape.needs_hidden:  # every layer's hidden states of the prompt (output_hidden_states), and the last one's
+        prefill += (layers + 1) * rows * longest * hidden * size + b * longest * hidden * size
     t = max(1, shape.tree_nodes)  # tokens per step (autoregressive decoding keeps no tree margin)
     logits = b * t * vocab
     copies = shape.sampling_copies + (0 if size == 4 else 1)  # half-precision logits are widened once
     step = logits * size + int(copies * logits * 4) + int(per_token * b * t)
-    parts["transient"] = max(prefill, step, _draft_transient(shape.draft, b, longest, t))
+    transient = max(prefill, step, _draft_transient(shape.draft, b, longest, t))
+    if shape.tree_nodes and b > 1:  # before the call's caches exist: StepCost.ensure_batch's own run
+        transient = max(transient, _calibration_bytes(shape.target, b, per_token) - sum(parts.values()))
+    parts["transient"] = transient
     return MemoryEstimate(parts)
+
+
+def _rowwise_prefill(prompt_lens: list[int]) -> bool:
+    """Whether :meth:`specdec.model.ModelRunner.prefill` encodes these prompts one row per forward."""
+    from specdec.model import ROW_PREFILL_MIN
+
+    heads = [n - 1 for n in prompt_lens]
+    if len(set(prompt_lens)) == 1 or max(heads) == 0:
+        return False
+    return sum(max(n, ROW_PREFILL_MIN) for n in heads) < len(heads) * max(heads)
+
+
+def _calibration_bytes(target: torch.nn.Module, b: int, per_token: float) -> int:
+    """A batch step-cost calibration's peak (:meth:`specdec.policies.StepCost.ensure_batch`): its own cache over
+    a short context and that context's padded prompt forward, at ``min(b, MAX_CALIBRATION_ROWS)`` rows."""
+    from specdec.policies.cost import StepCost
+
+    rows, context = min(b, StepCost.MAX_CALIBRATION_ROWS), 128
+    capacity = context + max(StepCost.BATCH_SIZES) + 1
+    return kv_cache_bytes(target.config, rows, capacity, target.dtype) + int(per_token * rows * context)
 
 
 def _draft_transient(draft: torch.nn.Module | None, b: int, longest: int, t: int) -> int:
@@ -164,7 +191,7 @@ def _draft_transient(draft: torch.nn.Module | None, b: int, longest: int, t: int
     _, _, _, hidden, inter, vocab = _dims(draft.config)
     vocab = getattr(draft.config, "draft_vocab_size", None) or vocab
     size = torch.empty(0, dtype=draft.dtype).element_size()
-    per_token = FORWARD_BYTES.get(size, 26.0) * (hidden + inter)
+    per_token = FORWARD_BYTES.get(size, 9.0) * (hidden + inter)
     prompt = per_token * b * longest + b * min(b, longest) * vocab * size
     step = per_token * b * t + b * t * vocab * (size + 4)
     return int(max(prompt, step))

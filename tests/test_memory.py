@@ -64,7 +64,9 @@ def test_chunked_batch_equals_whole(arch, method):
 
 def test_chunking_off_raises_with_the_numbers():
     dec = decoder("llama")
-    prompts = [prompt_of(12, seed=i) for i in range(6)]
+    # Prompts long enough that a batch's step-cost calibration (a 128-token context) is not the call's peak, so
+    # the need grows in proportion to the rows.
+    prompts = [prompt_of(200, seed=i) for i in range(6)]
     one_row = dec.estimate_memory(prompts[:1], "pld", 16, GREEDY).total
     with pytest.raises(memory.MemoryLimitError, match=r"6 rows need about .* GiB.*largest batch .* is 2 rows"):
         dec.generate_ids(prompts, "pld", 16, GREEDY, max_memory=int(2.5 * one_row), chunk=False)
@@ -81,3 +83,41 @@ def test_sampling_needs_more_than_greedy():
 
 def test_available_memory_is_positive():
     assert memory.available_bytes(torch.device("cpu")) > 0
+
+
+def test_a_replaced_cache_frees_its_buffers_at_once():
+    """The cache's layers point back at it: a runner replacing its cache must break that cycle, or the old buffers
+    (a step-cost calibration's) stay resident until a full garbage collection, through the generation after."""
+    import gc
+    import weakref
+
+    from specdec.model import ModelRunner
+    from tests.conftest import tiny_model
+
+    runner = ModelRunner(tiny_model("llama"))
+    runner.reset(2, 40)
+    ids = torch.tensor([prompt_of(20, seed=1), prompt_of(20, seed=2)])
+    runner.prefill(ids, torch.tensor([20, 20]))
+    old = weakref.ref(runner.cache.layers[0].keys)
+    gc.disable()
+    try:
+        runner.release()
+        assert old() is None
+    finally:
+        gc.enable()
+
+
+def test_ragged_prompts_are_estimated_one_row_at_a_time():
+    """ModelRunner.prefill encodes ragged prompts one row per forward: the prompt forward's transient is one row's."""
+    dec = decoder("llama")
+    shape = dec._call_shape(*_ar_spec(), 16, GREEDY)
+    ragged = memory.estimate(shape, [300, 20, 30, 25])
+    even = memory.estimate(shape, [300, 300, 300, 300])
+    assert ragged.parts["transient"] * 3 < even.parts["transient"]
+
+
+def _ar_spec():
+    from specdec import methods
+
+    spec = methods.get("ar")
+    return spec, spec.parse({}), None
