@@ -627,6 +627,7 @@ class ModelRunner:
                     if hidden is None:
                         hidden = h.new_zeros(b, head, h.shape[-1])
                     hidden[i, :n] = h[0]
+                row.drop()  # the first row's own buffers go now, not at the next garbage collection
         finally:
             self.cache, self.batch_size = cache, batch
         return hidden
