@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from specdec.gguf_blocks import AffineCodes
-from specdec.gguf_weights import QuantLinear, default_quant_max_rows
-from specdec.kernels.quant import pack_quant_weight
+from specdec.gguf_weights import QuantLinear, swap_in_quant
 
 DRAFT_WEIGHTS = ("dense", "q8")
 GROUP = 32
@@ -38,15 +37,10 @@ def quantize_draft(model: nn.Module) -> int:
     and gradients use them); returns the number swapped."""
     if not any(isinstance(m, nn.Linear) for m in model.modules()):
         raise ValueError("draft_weights='q8': the draft has no linear layers to quantize")
-    device = next(model.parameters()).device
     swapped = 0
     for name, linear in list(model.named_modules()):
         if not isinstance(linear, nn.Linear) or isinstance(linear, QuantLinear) or linear.in_features % GROUP:
             continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        qweight = pack_quant_weight(q8_codes(linear.weight), device)
-        rows = default_quant_max_rows(linear, linear.weight.dtype)
-        setattr(parent, child, QuantLinear.from_quant(linear, qweight, rows))
+        swap_in_quant(model, name, q8_codes(linear.weight))
         swapped += 1
     return swapped

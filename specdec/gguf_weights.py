@@ -252,7 +252,6 @@ def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int | 
     check: require every decoded weight to equal the module's dense weight (rounded to its dtype), so the
     quantized forward computes the very model transformers loaded.
     """
-    device = next(model.parameters()).device
     found = cached_gguf_codes(model, gguf_path)
     if check and _mismatch(model, found) is not None:
         _codes_cache_path(model, Path(gguf_path)).unlink(missing_ok=True)  # stale: decode the file itself
@@ -263,10 +262,16 @@ def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int | 
         raise ValueError(f"GGUF weight for {name} ({found[name].qtype}) differs from the model's dense weight: "
                          f"the model was not loaded from {gguf_path}")
     for name, codes in found.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        qweight = pack_quant_weight(codes, device)
-        linear = getattr(parent, child)
-        rows = default_quant_max_rows(linear, linear.weight.dtype) if max_rows is None else max_rows
-        setattr(parent, child, QuantLinear.from_quant(linear, qweight, rows))
+        swap_in_quant(model, name, codes, max_rows)
     return len(found)
+
+
+def swap_in_quant(model: nn.Module, name: str, codes: AffineCodes, max_rows: int | None = None) -> None:
+    """Replace the linear layer ``name`` of ``model`` by a :class:`QuantLinear` over ``codes`` (packed on the
+    layer's device), in place; ``max_rows`` as in :func:`apply_gguf_weights`."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    linear = getattr(parent, child)
+    qweight = pack_quant_weight(codes, linear.weight.device)
+    rows = default_quant_max_rows(linear, linear.weight.dtype) if max_rows is None else max_rows
+    setattr(parent, child, QuantLinear.from_quant(linear, qweight, rows))

@@ -140,12 +140,11 @@ def estimate(shape: CallShape, prompt_lens: list[int]) -> MemoryEstimate:
     b, longest = len(prompt_lens), max(prompt_lens)
     seq = longest + shape.max_new_tokens + 1
     cfg, dtype = shape.target.config, shape.target.dtype
-    size = torch.empty(0, dtype=dtype).element_size()
+    size, per_token = _forward_bytes(shape.target)
     layers, _, _, hidden, inter, vocab = _dims(cfg)
     parts = {"target KV": kv_cache_bytes(cfg, b, seq + shape.tree_nodes, dtype)}
     if shape.draft is not None:
         parts["draft KV"] = kv_cache_bytes(shape.draft.config, b, seq + shape.tree_nodes + 8, shape.draft.dtype)
-    per_token = FORWARD_BYTES.get(size, 9.0) * (hidden + inter)
     # Ragged prompts are encoded one row per forward where padding would waste work (ModelRunner.prefill).
     rows = 1 if _rowwise_prefill(prompt_lens) else b
     prefill = int(per_token * rows * longest)
@@ -160,6 +159,13 @@ def estimate(shape: CallShape, prompt_lens: list[int]) -> MemoryEstimate:
         transient = max(transient, _calibration_bytes(shape.target, b, per_token) - sum(parts.values()))
     parts["transient"] = transient
     return MemoryEstimate(parts)
+
+
+def _forward_bytes(model: torch.nn.Module) -> tuple[int, float]:
+    """``model``'s bytes per element and a prompt forward's transient bytes per token (:data:`FORWARD_BYTES`)."""
+    _, _, _, hidden, inter, _ = _dims(model.config)
+    size = torch.empty(0, dtype=model.dtype).element_size()
+    return size, FORWARD_BYTES.get(size, FORWARD_BYTES[2]) * (hidden + inter)
 
 
 def _rowwise_prefill(prompt_lens: list[int]) -> bool:
@@ -188,10 +194,8 @@ def _draft_transient(draft: torch.nn.Module | None, b: int, longest: int, t: int
     logits, over the reduced vocabulary where the draft has one, and their fp32 copy)."""
     if draft is None:
         return 0
-    _, _, _, hidden, inter, vocab = _dims(draft.config)
-    vocab = getattr(draft.config, "draft_vocab_size", None) or vocab
-    size = torch.empty(0, dtype=draft.dtype).element_size()
-    per_token = FORWARD_BYTES.get(size, 9.0) * (hidden + inter)
+    vocab = getattr(draft.config, "draft_vocab_size", None) or _dims(draft.config)[5]
+    size, per_token = _forward_bytes(draft)
     prompt = per_token * b * longest + b * min(b, longest) * vocab * size
     step = per_token * b * t + b * t * vocab * (size + 4)
     return int(max(prompt, step))
