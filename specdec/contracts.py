@@ -227,14 +227,16 @@ class LengthPolicy(Protocol):
 SUPPORT_LEVELS = 3  # support_level's levels: one draft, two, three or more
 
 
-def num_sources(q: int, n_max: int, corpus: bool = False) -> int:
-    """Number of draft sources as the drafter numbers them: 0 bigram rows, 1 matches of the last ``q``
-    tokens, ``2 + j`` longest-suffix matches of ``q + 1 + j`` tokens (at least one such source), and
-    with ``corpus`` then one per corpus match length ``1 .. n_max``."""
-    return 2 + max(1, n_max - q) + (n_max if corpus else 0)
+def num_sources(q: int, n_max: int, corpus: bool = False, store: bool = False, recycle: bool = False) -> int:
+    """Number of draft sources as the drafters number them: 0 bigram rows, 1 matches of the last ``q``
+    tokens, ``2 + j`` longest-suffix matches of ``q + 1 + j`` tokens (at least one such source), with
+    ``corpus`` then one per corpus match length ``1 .. n_max``, with ``store`` (``hybrid``'s past outputs)
+    one per store match length ``1 .. n_max``, and with ``recycle`` one for the recycled successors."""
+    return 2 + max(1, n_max - q) + (n_max if corpus else 0) + (n_max if store else 0) + (1 if recycle else 0)
 
 
-def num_cells(k: int, w: int, q: int, n_max: int, corpus: bool = False) -> int:
+def num_cells(k: int, w: int, q: int, n_max: int, corpus: bool = False, store: bool = False,
+              recycle: bool = False) -> int:
     """Number of (source, rank, depth, support) cells a node can fall in; a cell is
     ``((source * k + rank) * w + depth) * SUPPORT_LEVELS + support``."""
-    return num_sources(q, n_max, corpus) * k * w * SUPPORT_LEVELS
+    return num_sources(q, n_max, corpus, store, recycle) * k * w * SUPPORT_LEVELS

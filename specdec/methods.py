@@ -26,14 +26,17 @@ from specdec.drafters import DraftModelDrafter, NGrammysDrafter, PromptLookupDra
 from specdec.drafters.base import Drafter
 from specdec.drafters.feature_draft import FeatureDraftDrafter
 from specdec.drafters.graph_draft import SIBLINGS, GraphDrafter
+from specdec.drafters.hybrid import HybridDrafter, SuccessorTable
 from specdec.drafters.ouroboros import ATTACH, ORDERS, SOURCES, OuroborosDrafter, PhraseRates
 from specdec.drafters.phrase_pool import PhrasePool
 from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES, corpus_slots
 from specdec.model import ModelRunner
+from specdec.ngram_corpus import vocab_fingerprint
 from specdec.policies import (AcceptanceModel, ConfidenceStop, DraftGovernor, HeuristicLength, NodeAcceptance,
                               ProbabilityCalibration, StaticLength, StepCost)
 from specdec.policies.disco import DiscoClassifier, DiscoStop, OracleStop, PlattCalibration, draft_fingerprint
 from specdec.pearl import PearlDecoding, WindowLength, one_thread
+from specdec.suffix_store import SuffixStore
 from specdec.verify import SamplingConfig
 
 
@@ -111,6 +114,25 @@ class NGrammysOptions(GovernedOptions):
     schedule: str = option("cost", "cost: prune the trees to the nodes worth their measured verification "
                                    "cost (a batch's to one width for all rows); static: all k x w drafts, as in "
                                    "the paper", ("cost", "static"))
+
+
+@dataclass(frozen=True)
+class HybridOptions(GovernedOptions):
+    k: int = option(10, "drafts per step, from all sources together")
+    w: int = option(6, "tokens per draft")
+    q: int = option(1, "context query length")
+    n_max: int = option(6, "longest suffix matched first, in the context and in the store")
+    c: int | None = option(None, "drafts from the n-gram corpus per step (default 2 with a corpus, else 0)",
+                           flag="--corpus-slots", low=0)
+    s: int = option(2, "drafts per step from the store of past outputs (0: no store)", low=0)
+    r: int = option(2, "drafts per step from recycled successors, the target's top tokens after each verified "
+                       "node (0: none)", low=0)
+    store_tokens: int = option(65536, "tokens the store of past outputs keeps (the oldest go first)", low=2)
+    store_file: str | None = option(None, "load the store of past outputs from this file when it is first made (if "
+                                          "the file exists) and save it there after every generation")
+    support: int = option(1, "acceptance estimates per how many drafts share a node (1) or not (0)", (0, 1))
+    schedule: str = option("cost", "cost: prune the trees to the nodes worth their measured verification cost; "
+                                   "static: all k x w drafts", ("cost", "static"))
 
 
 @dataclass(frozen=True)
@@ -209,6 +231,7 @@ class BuildContext(Protocol):
 
     model: Any  # the target (a transformers PreTrainedModel)
     runner: ModelRunner  # the target's runner
+    tokenizer: Any  # the target's tokenizer (None where the decoder was given none)
 
     @property
     def compiled(self) -> bool:
@@ -413,6 +436,31 @@ def _build_ngrammys(dec: BuildContext, o: NGrammysOptions, sampling: SamplingCon
     return Built(drafter, StaticLength(o.w, cost=dec.step_cost() if cost else None))
 
 
+def _build_hybrid(dec: BuildContext, o: HybridOptions, sampling: SamplingConfig):
+    corpus = dec.ngram_corpus()
+    c = corpus_slots(o.k, corpus is not None) if o.c is None else o.c
+    o = dataclasses.replace(o, c=c)
+    vocab = dec.model.get_output_embeddings().weight.shape[0]
+    # Learned across calls, one set per option set: labels that run side by side never read each other's state.
+    key = ("hybrid", o)
+
+    def make_store():
+        fp = vocab_fingerprint(dec.tokenizer) if dec.tokenizer is not None else ""
+        if o.store_file is not None and os.path.exists(o.store_file):
+            return SuffixStore.load(o.store_file, vocab, fp, n_max=o.n_max, max_tokens=o.store_tokens)
+        return SuffixStore(vocab, n_max=o.n_max, max_tokens=o.store_tokens, fingerprint=fp)
+
+    store = dec.learned(key + ("store",), make_store) if o.s else None
+    successors = dec.learned(key + ("successors",), lambda: SuccessorTable(vocab, max(o.r, 1))) if o.r else None
+    cost = o.schedule == "cost"
+    acceptance = dec.learned(key + ("acceptance",), lambda: NodeAcceptance(
+        o.k, o.w, o.q, o.n_max, corpus=c > 0, store=o.s > 0, recycle=o.r > 0)) if cost else None
+    drafter = HybridDrafter(dec.ngram_tables(), store=store, s=o.s, successors=successors, r=o.r,
+                            store_file=o.store_file, acceptance=acceptance, k=o.k, w=o.w, q=o.q, n_max=o.n_max,
+                            corpus=corpus if c else None, c=c, support=bool(o.support))
+    return Built(drafter, StaticLength(o.w, cost=dec.step_cost() if cost else None))
+
+
 def _build_gsd(dec: BuildContext, o: GSDOptions, sampling: SamplingConfig):
     draft, runner = dec.get_draft(o.draft)
     cls = FeatureDraftDrafter if is_feature_draft(draft) else DraftModelDrafter
@@ -514,6 +562,9 @@ register(Method("pld", "prompt lookup: the continuation of the longest matching 
                        "cost-aware length", PLDOptions, False, _build_pld))
 register(Method("ngrammys", "N-Grammys: k drafts from context n-grams, the n-gram corpus and the model's bigram "
                             "table, merged into one trie", NGrammysOptions, False, _build_ngrammys))
+register(Method("hybrid", "one trie from every model-free source: context n-grams, the n-gram corpus, a store of "
+                          "past outputs kept across requests, recycled target successors and bigram rows, cut by "
+                          "the cost planner", HybridOptions, False, _build_hybrid))
 register(Method("gsd", "GSD: the draft model's top-k continuations grown level by level as a graph (recurring "
                        "n-grams merged, low-probability nodes not expanded), verified as one tree", GSDOptions, True,
                 _build_gsd))

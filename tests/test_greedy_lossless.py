@@ -97,7 +97,7 @@ def test_ragged_batch_matches_rows_alone(arch, method):
 @pytest.mark.parametrize("method,opts", [("ar", {}), ("pld", {}), ("ngrammys", {}), ("sd", {}),
                                          ("sd", {"schedule": "heuristic"}), ("sd", {"confidence": 0.4}),
                                          ("gsd", {"schedule": "static"}), ("gsd", {}), ("ouroboros", {"schedule": "static"}),
-                                         ("ouroboros", {}),
+                                         ("ouroboros", {}), ("hybrid", {}), ("hybrid", {"schedule": "static", "r": 0}),
                                          ("pearl", {"backend": "inline", "window": "fixed", "gamma": 3}),
                                          ("pearl", {"window": "fixed", "gamma": 3}), ("pearl", {"backend": "inline"})])
 def test_finished_rows_leave_the_batch(arch, method, opts, monkeypatch):

@@ -413,7 +413,7 @@ def e2e_pvalues(dec: SpecDecoder, method: str, config: str, eos: bool, rows: int
     # pld on the static schedule: the cost schedule sizes drafts from timings, and on a busy CPU it drafts
     # too little for the "speculation happened" check (2,000 of the 3,000 drafts wanted, seen twice).
     method, own = methods.parse_label(method)  # "name" or a label "name:key=value"
-    opts = {"sd": {"draft_length": 2}, "ngrammys": {"k": 3, "w": 2}, "pld": {"schedule": "static"},
+    opts = {"sd": {"draft_length": 2}, "ngrammys": {"k": 3, "w": 2}, "hybrid": {"k": 3, "w": 2}, "pld": {"schedule": "static"},
             "gsd": {"k": 2, "max_depth": 2}, "ouroboros": {"gamma": 3}, "pearl": {"gamma": 2}}.get(method, {})
     # The governor off: on this tiny model a plain step is often the faster one, and the check above needs drafts
     # (steps of both kinds are tested in test_governed_sampling_is_lossless).

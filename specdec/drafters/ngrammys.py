@@ -64,6 +64,7 @@ class NGrammysDrafter(Drafter):
     """
 
     keeps_rows = True  # nothing per row outlives a step: finished rows may leave the batch
+    KINDS = ("bigram", "context", "corpus")  # what ``allocation`` counts per source kind
 
     def __init__(self, tables: NGramTables | None, k: int = 10, w: int = 10, q: int = 1, n_max: int = 4,
                  strategy: str = "mixed", verify: str = "tree", acceptance=None,
@@ -89,15 +90,22 @@ class NGrammysDrafter(Drafter):
         self.corpus, self.c = (corpus if c else None), c
         self.support = bool(support)
         self.acceptance = acceptance
-        if acceptance is not None and acceptance.proposed.numel() != num_cells(k, w, q, n_max, self.c > 0):
+        if acceptance is not None and acceptance.proposed.numel() != self.num_cells():
             raise ValueError(f"the acceptance table does not fit k={k}, w={w}, q={q}, n_max={n_max}, c={c}: "
-                             "build it with NodeAcceptance(k, w, q, n_max, corpus=c > 0)")
+                             f"build it with NodeAcceptance(k, w, q, n_max, corpus={c > 0})")
         self._slot: torch.Tensor | None = None  # [B,T] (source, rank, depth, support) cell of each node
         self._chain_of_node: torch.Tensor | None = None
         self._slot_source: torch.Tensor | None = None  # [B,k] source of each draft slot (numbered as :func:`num_sources` does)
         self._slot_rank: torch.Tensor | None = None  # [B,k] rank of each slot among its source's drafts
-        self.allocation = {"steps": 0, "context_slots": 0, "corpus_slots": 0, "bigram_slots": 0,
-                           "context_accepted": 0, "corpus_accepted": 0, "bigram_accepted": 0}
+        self.allocation = {"steps": 0, **{f"{kind}_{what}": 0 for what in ("slots", "accepted") for kind in self.KINDS}}
+
+    def num_cells(self) -> int:
+        """How many (source, rank, depth, support) cells this drafter's nodes fall in."""
+        return num_cells(self.k, self.w, self.q, self.n_max, self.c > 0)
+
+    def source_kind(self, source: int) -> int:
+        """The index in :attr:`KINDS` of a slot's source (numbered as :func:`num_sources` does)."""
+        return 0 if source == 0 else 2 if source >= num_sources(self.q, self.n_max) else 1
 
     def context_drafts(self, state: DecodeState, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[B,k,w]`` context drafts (-1 padded, best first), ``[B]`` how many there are, ``[B]`` how
@@ -221,9 +229,8 @@ class NGrammysDrafter(Drafter):
         parts = [path, chain_of_node, self._slot_source]
         if slot_of_node is not None:
             parts += [slot_of_node, tree.valid.long()]
-        n_src = num_sources(self.q, self.n_max)
         slots = self.k if self.verify != "chain" else 1
-        a, names = self.allocation, ("bigram", "context", "corpus")
+        a, names = self.allocation, self.KINDS
         cells, accepted = [], []
         for row, n in zip(torch.cat(parts, 1).tolist(), path_len):
             if n == 0:  # a finished row
@@ -236,7 +243,7 @@ class NGrammysDrafter(Drafter):
                     if valid[node]:
                         cells.append(slot[node])
                         accepted.append(node in on_path)
-            kind = [0 if s == 0 else 2 if s >= n_src else 1 for s in source]
+            kind = [self.source_kind(s) for s in source]
             a["steps"] += 1
             for i, name in enumerate(names):
                 if name != "bigram" or self.strategy != "context":  # a context-only drafter's empty slots

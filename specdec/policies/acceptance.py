@@ -50,7 +50,8 @@ class NodeAcceptance:
 
     Sources: 0 bigram rows, 1 matches of the last ``q`` tokens, ``2 + j`` longest-suffix matches of
     ``q + 1 + j`` tokens (``j < n_max - q``), and with ``corpus`` then one per corpus match length
-    ``1 .. n_max``. Support: :func:`specdec.drafters.ngrammys.support_level` (how many drafts share the node). The prior expects
+    ``1 .. n_max``, with ``store`` one per stored-output match length and with ``recycle`` one for recycled
+    successors (``hybrid``). Support: :func:`specdec.drafters.ngrammys.support_level` (how many drafts share the node). The prior expects
     longer matches to be accepted more often than short ones and those more than bigram rows, deeper or
     lower-ranked nodes less often, and shared nodes more often; measured counts take over after a few steps.
     A cell is ``((source * k + rank) * w + depth) * SUPPORT + support``.
@@ -61,7 +62,8 @@ class NodeAcceptance:
     sources = staticmethod(num_sources)
     cells = staticmethod(num_cells)
 
-    def __init__(self, k: int, w: int, q: int = 1, n_max: int = 4, *, corpus: bool = False, prior_weight: float = 2.0):
+    def __init__(self, k: int, w: int, q: int = 1, n_max: int = 4, *, corpus: bool = False, store: bool = False,
+                 recycle: bool = False, prior_weight: float = 2.0):
         rank = torch.arange(k, dtype=torch.float64)[:, None]
         depth = torch.arange(w, dtype=torch.float64)[None, :]
         ctx = 0.5 * 0.8**depth / (1 + rank)
@@ -69,7 +71,10 @@ class NodeAcceptance:
         longs = [min(0.9, 0.55 + 0.05 * j) * 0.85**depth / (1 + rank) for j in range(self.sources(q, n_max) - 2)]
         # corpus matches of 1 .. n_max tokens: a 1-token match is about a bigram row's worth
         cors = [min(0.6, 0.15 * (1 + j)) * 0.8**depth / (1 + rank) for j in range(n_max if corpus else 0)]
-        base = torch.stack([big, ctx, *longs, *cors])  # [sources, k, w]
+        # hybrid's past outputs (as the corpus, a little likelier: the same workload) and recycled successors
+        stored = [min(0.7, 0.2 * (1 + j)) * 0.8**depth / (1 + rank) for j in range(n_max if store else 0)]
+        recycled = [0.3 * 0.65**depth / (1 + rank)] if recycle else []
+        base = torch.stack([big, ctx, *longs, *cors, *stored, *recycled])  # [sources, k, w]
         boost = torch.tensor(self.SUPPORT_PRIOR, dtype=torch.float64)
         prior = (base[..., None] * boost).clamp(max=0.95).reshape(-1)
         self.accepted = prior * prior_weight
