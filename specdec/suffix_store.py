@@ -176,3 +176,31 @@ class SuffixStore:
         store.add(docs)
         store.added = 0
         return store
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m specdec.suffix_store --from-corpus CORPUS --out FILE``: a store warmed with an n-gram corpus's
+    documents (the target's replies to training prompts), for ``hybrid --store-file FILE``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--from-corpus", required=True, help="an n-gram corpus file (specdec ngram-corpus)")
+    ap.add_argument("--out", required=True, help="the store file to write")
+    ap.add_argument("--max-tokens", type=int, default=65536, help="the store's bound (hybrid's --store-tokens)")
+    ap.add_argument("--n-max", type=int, default=6, help="longest suffix looked up (hybrid's --n-max)")
+    args = ap.parse_args(argv)
+    corpus = NGramCorpus.load(args.from_corpus)
+    cut = (corpus.tokens < 0).nonzero().flatten().tolist()
+    docs, prev = [], 0
+    for c in cut:
+        docs.append(corpus.tokens[prev:c].tolist())
+        prev = c + 1
+    store = SuffixStore(corpus.vocab, args.n_max, max_tokens=args.max_tokens,
+                        fingerprint=corpus.meta.get("vocab_fingerprint", ""))
+    store.add(docs)
+    store.save(args.out)
+    print(f"{args.out}: {len(store)} outputs, {store.num_tokens} tokens (of {sum(map(len, docs))} in the corpus)")
+
+
+if __name__ == "__main__":
+    main()

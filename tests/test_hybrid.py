@@ -240,3 +240,15 @@ def test_hybrid_planted_bug_is_detected(e2e_decoder, monkeypatch):
     pvals, drafted, accepted, _ = e2e_pvalues(e2e_decoder, "hybrid:s=0:c=0", "temp0.8", False, rows=3000)
     assert drafted > 1500 and accepted > 0, (drafted, accepted)
     assert min(pvals.values()) < POWER, pvals
+
+
+def test_a_store_is_warmed_from_an_ngram_corpus(tmp_path, capsys):
+    from specdec.ngram_corpus import NGramCorpus
+    from specdec.suffix_store import main
+
+    docs = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    NGramCorpus.build(docs, 20, meta={"vocab_fingerprint": "fp"}).save(tmp_path / "corpus.pt")
+    main(["--from-corpus", str(tmp_path / "corpus.pt"), "--out", str(tmp_path / "store.npz"), "--max-tokens", "7"])
+    store = SuffixStore.load(tmp_path / "store.npz", 20, "fp")
+    assert store.docs == [[5, 6, 7], [8, 9]] and store.max_tokens == 7  # the newest within the bound
+    assert "2 outputs, 5 tokens (of 9" in capsys.readouterr().out
