@@ -71,23 +71,27 @@ def acceptance(runs: list[dict], cats: list[str], methods: list[str]) -> list[st
     return rows
 
 
+SOURCE_KINDS = ("context", "store", "corpus", "recycle", "bigram")  # ngrammys' and hybrid's, as they rank them
+
+
 def allocation(runs: list[dict], methods: list[str]) -> list[str]:
-    """N-Grammys' per-source table: draft nodes per call, share of draft slots filled from the
-    context and from the n-gram corpus, and accepted tokens by source (the paper's allocation ablation)."""
+    """The per-source table of ngrammys and hybrid: draft nodes per call, and per source kind its share of the
+    draft slots and the share of accepted tokens it produced (the paper's allocation ablation, and hybrid's)."""
     s = summarize(runs)
-    rows = []
-    for m in methods:
-        a = s[m].get("drafter", {}).get("allocation")
-        if not a:
-            continue
+    rows, kinds = [], []
+    allocs = {m: s[m].get("drafter", {}).get("allocation") for m in methods}
+    allocs = {m: a for m, a in allocs.items() if a}
+    kinds = [k for k in SOURCE_KINDS if any(f"{k}_slots" in a for a in allocs.values())]
+    for m, a in allocs.items():
         rs = [r for r in runs if r["method"] == m]
         nodes = sum(r["drafted_tokens"] or 0 for r in rs) / max(1, sum(r["target_calls"] for r in rs))
-        corpus_slots, corpus_acc = a.get("corpus_slots", 0), a.get("corpus_accepted", 0)  # older runs lack them
-        slots = a["context_slots"] + corpus_slots + a["bigram_slots"]
-        rows.append(f"| {m} | {nodes:.1f} | {a['context_slots'] / max(1, slots):.0%} | {corpus_slots / max(1, slots):.0%} "
-                    f"| {a['context_accepted']} | {corpus_acc} | {a['bigram_accepted']} |")
-    head = ["| method | draft nodes per call | context share of slots | corpus share of slots | accepted from context "
-            "| accepted from corpus | accepted from bigram |", "|---|---|---|---|---|---|---|"]
+        slots = sum(a.get(f"{k}_slots", 0) for k in kinds)
+        accepted = sum(a.get(f"{k}_accepted", 0) for k in kinds)
+        cells = [f"{a.get(f'{k}_slots', 0) / max(1, slots):.0%} / {a.get(f'{k}_accepted', 0) / max(1, accepted):.0%}"
+                 for k in kinds]
+        rows.append(f"| {m} | {nodes:.1f} | " + " | ".join(cells) + " |")
+    head = ["| method | draft nodes per call | " + " | ".join(f"{k}: slots / accepted" for k in kinds) + " |",
+            "|---" * (2 + len(kinds)) + "|"]
     return head + rows if rows else []
 
 

@@ -176,3 +176,22 @@ def test_soak_watches_memory_speed_and_workers():
     q = quarters(samples, 9)
     assert q["tokens_per_s_first_quarter"] == 10 and q["tokens_per_s_last_quarter"] == 5
     assert q["speed_ratio"] == 0.5 and q["rss_growth"] == 0.1
+
+
+def test_allocation_table_shows_every_source_kind_by_hand():
+    from bench.report import allocation
+
+    def run(method, alloc):
+        return {"method": method, "prompt_id": "p", "category": "c", "new_tokens": 10, "seconds": 1.0,
+                "target_calls": 5, "draft_calls": 0, "drafted_tokens": 10, "accepted_tokens": 5, "drafter":
+                {"allocation": alloc}, "identical_to_reference": True}
+
+    runs = [run("ngrammys", {"steps": 5, "context_slots": 6, "corpus_slots": 2, "bigram_slots": 2,
+                             "context_accepted": 3, "corpus_accepted": 1, "bigram_accepted": 0}),
+            run("hybrid", {"steps": 5, "context_slots": 4, "store_slots": 2, "corpus_slots": 2, "recycle_slots": 1,
+                           "bigram_slots": 1, "context_accepted": 2, "store_accepted": 1, "corpus_accepted": 0,
+                           "recycle_accepted": 1, "bigram_accepted": 0})]
+    head, _, ngrammys, hybrid = allocation(runs, ["ngrammys", "hybrid"])
+    assert head.count("slots / accepted") == 5  # context, store, corpus, recycle, bigram
+    assert ngrammys == "| ngrammys | 2.0 | 60% / 75% | 0% / 0% | 20% / 25% | 0% / 0% | 20% / 0% |"
+    assert hybrid == "| hybrid | 2.0 | 40% / 50% | 20% / 25% | 20% / 0% | 10% / 25% | 10% / 0% |"

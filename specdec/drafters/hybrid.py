@@ -34,16 +34,23 @@ class SuccessorTable:
     def __init__(self, vocab: int, r: int = 4, device="cpu"):
         if vocab < 1 or r < 1:
             raise ValueError(f"need vocab, r >= 1, got {vocab}, {r}")
-        self.table = torch.full((vocab, r), -1, dtype=torch.int64, device=device)
+        # one row more than the vocabulary, all -1: indexing with -1 (no token) reads it, so a chain needs no masking
+        self._rows = torch.full((vocab + 1, r), -1, dtype=torch.int64, device=device)
+
+    @property
+    def table(self) -> torch.Tensor:
+        """``[V, r]`` the successors of each token."""
+        return self._rows[:-1]
 
     @property
     def r(self) -> int:
         return self.table.shape[1]
 
     def on(self, device) -> torch.Tensor:
-        if self.table.device != torch.device(device):
-            self.table = self.table.to(device)
-        return self.table
+        """The ``[V + 1, r]`` rows (the last one all -1) on ``device``."""
+        if self._rows.device != torch.device(device):
+            self._rows = self._rows.to(device)
+        return self._rows
 
     def observe(self, tokens: torch.Tensor, successors: torch.Tensor) -> None:
         """tokens: ``[N]`` ids; successors: ``[N, m]`` what the target wanted after each (likeliest first, -1
@@ -65,10 +72,10 @@ class SuccessorTable:
         """``[B, r, w]`` drafts: successor ``i`` of each root, each followed by the newest successor of its
         last token, ``w`` tokens in all (-1 from the first token without one)."""
         table = self.on(roots.device)
+        newest = table[:, 0]
         cols = [table[roots, :r]]
         for _ in range(w - 1):
-            prev = cols[-1]
-            cols.append(torch.where(prev >= 0, table[prev.clamp(min=0), 0], -1))
+            cols.append(newest[cols[-1]])  # -1 reads the all -1 row
         return torch.stack(cols, -1)
 
 
