@@ -10,7 +10,8 @@ resident memory just before the call; the estimate is :func:`specdec.memory.esti
 
 ``--forwards 16x128,4x512`` measures instead the one factor the estimate takes from measurement, a prompt
 forward's transient per token (:data:`specdec.memory.FORWARD_BYTES`), on single forwards, so that every
-generation's peak checks the estimate out of sample.
+generation's peak checks the estimate out of sample. ``--live`` finds what a peak holds: the Python stack and the
+largest live tensors at the last new peak.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+import warnings
 
 
 def rss() -> int:
@@ -30,23 +33,66 @@ def rss() -> int:
 
 
 class PeakRSS:
-    """Samples resident memory in a thread while the ``with`` body runs; ``peak`` holds the largest."""
+    """Samples resident memory in a thread while the ``with`` body runs; ``peak`` holds the largest. With
+    ``live``, each new peak (``LIVE_STEP`` past the last one recorded) also records where the main thread was
+    (its Python stack) and the largest tensors alive then (:func:`live_tensors`): ``where`` holds the last."""
+
+    LIVE_STEP = 4 << 20
+
+    def __init__(self, live: bool = False):
+        self.live, self.where = live, None
 
     def __enter__(self):
         self.peak, self._stop = rss(), False
+        self._main = threading.get_ident()
+        self._noted = self.peak
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def _run(self):
         while not self._stop:
-            self.peak = max(self.peak, rss())
+            now = rss()
+            self.peak = max(self.peak, now)
+            if self.live and now > self._noted + self.LIVE_STEP:
+                self._noted = now
+                self.where = self._note(now)
             time.sleep(0.001)
+
+    def _note(self, now: int) -> dict:
+        frame = sys._current_frames().get(self._main)
+        stack = [f"{fs.filename.split('site-packages/')[-1]}:{fs.lineno} {fs.name}"
+                 for fs in traceback.extract_stack(frame)][-12:] if frame is not None else []
+        return {"rss_bytes": now, "stack": stack, "tensors": live_tensors()}
 
     def __exit__(self, *exc):
         self._stop = True
         self._thread.join()
         self.peak = max(self.peak, rss())
+
+
+def live_tensors(top: int = 12) -> list[dict]:
+    """The ``top`` largest tensor storages alive (reachable from Python), largest first: bytes, shape and dtype of
+    one tensor on each, and how many tensors share it. Tensors an operator holds mid-call are not listed."""
+    import torch
+
+    seen: dict[int, dict] = {}
+    with warnings.catch_warnings():  # isinstance on a deprecated torch object warns
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in tensors:
+        try:
+            if obj.device.type != "cpu":
+                continue
+            st = obj.untyped_storage()
+        except Exception:  # a tensor subclass without storage
+            continue
+        key = st.data_ptr()
+        if key in seen:
+            seen[key]["views"] += 1
+        else:
+            seen[key] = {"bytes": st.nbytes(), "shape": list(obj.shape), "dtype": str(obj.dtype), "views": 1}
+    return sorted(seen.values(), key=lambda t: -t["bytes"])[:top]
 
 
 def one(args) -> dict:
@@ -61,7 +107,7 @@ def one(args) -> dict:
     dec.generate_ids([prompts[0][:16]], args.method, 4, sampling)  # lazy initialisation, untimed and unmeasured
     gc.collect()
     before = rss()
-    with PeakRSS() as peak:
+    with PeakRSS(args.live) as peak:
         res = dec.generate_ids(rows, args.method, args.max_new_tokens, sampling, max_memory=args.max_memory)
     measured = peak.peak - before
     est = res.stats.memory_estimate
@@ -69,7 +115,8 @@ def one(args) -> dict:
             "temperature": args.temperature, "longest_prompt": max(len(r) for r in rows), "chunks": res.stats.chunks,
             "estimate_bytes": est, "measured_peak_bytes": measured, "estimate_over_measured": est / measured,
             "rss_before_bytes": before,
-            "parts": dec.estimate_memory(rows, args.method, args.max_new_tokens, sampling).parts}
+            "parts": dec.estimate_memory(rows, args.method, args.max_new_tokens, sampling).parts,
+            **({"at_peak": {**peak.where, "rss_bytes": peak.where["rss_bytes"] - before}} if peak.where else {})}
 
 
 def forwards(args) -> dict:
@@ -116,6 +163,8 @@ def main() -> None:
     ap.add_argument("--forwards", default=None, metavar="ROWSxT,...",
                     help="instead: one padded prompt forward per shape (e.g. 16x128,4x512), target and --draft, "
                          "and its transient per token and (hidden + intermediate) element")
+    ap.add_argument("--live", action="store_true", help="record the Python stack and the largest live tensors at the "
+                                                          "peak (slows the run; for finding what a peak holds)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args()
     if args.one is not None:
@@ -138,6 +187,11 @@ def main() -> None:
             continue
         print(f"batch {b:>4}: estimate {r['estimate_bytes'] / 2**20:8.1f} MiB, measured peak "
               f"{r['measured_peak_bytes'] / 2**20:8.1f} MiB, ratio {r['estimate_over_measured']:.2f}", flush=True)
+        if "at_peak" in r:
+            at = r["at_peak"]
+            print(f"  at {at['rss_bytes'] / 2**20:.1f} MiB past the start:\n    " + "\n    ".join(at["stack"]))
+            for t in at["tensors"]:
+                print(f"    {t['bytes'] / 2**20:8.1f} MiB {t['dtype']} {t['shape']} ({t['views']} views)")
     if args.json:
         runs = []
         if args.append and os.path.exists(args.json):

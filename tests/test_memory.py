@@ -121,3 +121,22 @@ def _ar_spec():
 
     spec = methods.get("ar")
     return spec, spec.parse({}), None
+
+
+def test_live_peak_names_the_tensor_and_the_function_that_holds_it():
+    """bench.memory --live: at a new peak the sampler records the main thread's stack and the largest live tensors."""
+    import time
+
+    from bench.memory import PeakRSS
+
+    def hold_a_big_tensor():
+        x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+        time.sleep(0.2)  # the sampler looks every millisecond
+        return x.sum()
+
+    with PeakRSS(live=True) as peak:
+        hold_a_big_tensor()
+    assert peak.where is not None
+    assert any("hold_a_big_tensor" in line for line in peak.where["stack"])
+    biggest = peak.where["tensors"][0]
+    assert biggest["bytes"] == 64 << 20 and biggest["shape"] == [64 << 20] and biggest["dtype"] == "torch.uint8"
