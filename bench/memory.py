@@ -11,7 +11,7 @@ resident memory just before the call; the estimate is :func:`specdec.memory.esti
 ``--forwards 16x128,4x512`` measures instead the one factor the estimate takes from measurement, a prompt
 forward's transient per token (:data:`specdec.memory.FORWARD_BYTES`), on single forwards, so that every
 generation's peak checks the estimate out of sample. ``--live`` finds what a peak holds: the Python stack and the
-largest live tensors at the last new peak.
+largest tensors alive at the last new peak that were not alive before the call.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def rss() -> int:
 class PeakRSS:
     """Samples resident memory in a thread while the ``with`` body runs; ``peak`` holds the largest. With
     ``live``, each new peak (``LIVE_STEP`` past the last one recorded) also records where the main thread was
-    (its Python stack) and the largest tensors alive then (:func:`live_tensors`): ``where`` holds the last."""
+    (its Python stack) and the largest tensors alive then that were not alive on entry (:func:`live_tensors`):
+    ``where`` holds the last."""
 
     LIVE_STEP = 4 << 20
 
@@ -46,6 +47,7 @@ class PeakRSS:
         self.peak, self._stop = rss(), False
         self._main = threading.get_ident()
         self._noted = self.peak
+        self._before = {t["ptr"] for t in live_tensors(top=None)} if self.live else set()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -62,8 +64,8 @@ class PeakRSS:
     def _note(self, now: int) -> dict:
         frame = sys._current_frames().get(self._main)
         stack = [f"{fs.filename.split('site-packages/')[-1]}:{fs.lineno} {fs.name}"
-                 for fs in traceback.extract_stack(frame)][-12:] if frame is not None else []
-        return {"rss_bytes": now, "stack": stack, "tensors": live_tensors()}
+                 for fs in traceback.extract_stack(frame)][-16:] if frame is not None else []
+        return {"rss_bytes": now, "stack": stack, "tensors": live_tensors(exclude=self._before)}
 
     def __exit__(self, *exc):
         self._stop = True
@@ -71,9 +73,10 @@ class PeakRSS:
         self.peak = max(self.peak, rss())
 
 
-def live_tensors(top: int = 12) -> list[dict]:
-    """The ``top`` largest tensor storages alive (reachable from Python), largest first: bytes, shape and dtype of
-    one tensor on each, and how many tensors share it. Tensors an operator holds mid-call are not listed."""
+def live_tensors(top: int | None = 12, exclude: set[int] = frozenset()) -> list[dict]:
+    """The ``top`` (None: all) largest CPU tensor storages alive (reachable from Python) but those whose address is
+    in ``exclude``, largest first: address, bytes, shape and dtype of one tensor on each, and how many tensors share
+    it. Tensors an operator holds mid-call are not listed."""
     import torch
 
     seen: dict[int, dict] = {}
@@ -88,10 +91,13 @@ def live_tensors(top: int = 12) -> list[dict]:
         except Exception:  # a tensor subclass without storage
             continue
         key = st.data_ptr()
+        if key in exclude:
+            continue
         if key in seen:
             seen[key]["views"] += 1
         else:
-            seen[key] = {"bytes": st.nbytes(), "shape": list(obj.shape), "dtype": str(obj.dtype), "views": 1}
+            seen[key] = {"ptr": key, "bytes": st.nbytes(), "shape": list(obj.shape), "dtype": str(obj.dtype),
+                         "views": 1}
     return sorted(seen.values(), key=lambda t: -t["bytes"])[:top]
 
 

@@ -134,8 +134,10 @@ def test_live_peak_names_the_tensor_and_the_function_that_holds_it():
         time.sleep(0.2)  # the sampler looks every millisecond
         return x.sum()
 
+    old = torch.ones(80 << 20, dtype=torch.uint8)  # bigger, but alive before: not listed
     with PeakRSS(live=True) as peak:
         hold_a_big_tensor()
+    del old
     assert peak.where is not None
     assert any("hold_a_big_tensor" in line for line in peak.where["stack"])
     biggest = peak.where["tensors"][0]

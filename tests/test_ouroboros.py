@@ -221,6 +221,36 @@ def test_every_combination_of_parts_is_lossless(exact_dec, parts):
         assert res.tokens == ref, (parts, attach)
 
 
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_a_long_prompt_computes_only_the_logits_the_walk_reads(exact_dec, monkeypatch, lookahead):
+    """The first draft forward feeds the whole prompt: past CATCH_UP_ALL_LOGITS columns it asks for the anchor's,
+    the phrases' and the window's logits only (a [B, prompt, V] tensor was the largest allocation of a call), and
+    the drafts, walk and window updates read the same values: the output, the drafts and the pool are unchanged."""
+    from specdec.model import ModelRunner
+
+    exact_dec.reset_learned()
+    prompts = prompts_of(3, lens=(70, 90, 130))
+    ref = exact_dec.generate_ids(prompts, "ar", 24).tokens
+    opts = dict(gamma=3, schedule="static", lookahead=lookahead, govern=0)
+    forward, asked = ModelRunner.forward_tree, []
+
+    def recording(self, tree, *a, logits_at=None, **k):
+        if self is exact_dec.get_draft()[1] and logits_at is not None:
+            asked.append((tree.tokens.shape[1], len(logits_at)))
+        return forward(self, tree, *a, logits_at=logits_at, **k)
+
+    monkeypatch.setattr(ModelRunner, "forward_tree", recording)
+    res = exact_dec.generate_ids(prompts, "ouroboros", 24, **opts)
+    assert res.tokens == ref
+    assert asked and all(n < t for t, n in asked)  # fewer columns than the forward's nodes
+    exact_dec.reset_learned()
+    monkeypatch.setattr(ouroboros, "CATCH_UP_ALL_LOGITS", 10**6)  # every column's logits, as before
+    full = exact_dec.generate_ids(prompts, "ouroboros", 24, **opts)
+    assert full.tokens == ref
+    assert (full.stats.drafted_tokens, full.stats.accepted_tokens, full.stats.drafter["ouroboros"]) == (
+        res.stats.drafted_tokens, res.stats.accepted_tokens, res.stats.drafter["ouroboros"])
+
+
 def test_the_walk_and_the_phrases_happen_and_stay_exact(exact_dec):
     exact_dec.reset_learned()
     prompts = prompts_of(2)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from specdec.drafters.base import Budget, DecodeState, Drafter
-from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.draft_model import CATCH_UP_ALL_LOGITS, DraftModelDrafter
 from specdec.drafters.lookahead import JacobiWindow, check_window, window_size
 from specdec.drafters.phrase_pool import PhrasePool
 from specdec.tree import DraftTree, SparseProbs
@@ -331,15 +331,23 @@ class OuroborosDrafter(Drafter):
             tree = DraftTree.chain(tokens[:, 0], tokens[:, 1:].masked_fill(~valid[:, 1:], -1))
         else:
             tree = DraftTree.from_parents(tokens, parents, valid, check=False)
-        logits, _ = self.base.runner.forward_tree(tree)
-        self.base.draft_calls += 1
-        self._stats["draft_forwards"] += 1
         # Picks only where the walk may read them: each row's anchor and the phrase nodes after it (not the
         # prefix, which may be a whole prompt, nor the window, whose argmax _window_update reads).
         ends = [window_at[r] if window_at[r] >= 0 else len(tries[r]) for r in range(b)]
         width = max(e - a for e, a in zip(ends, anchors))
-        at = torch.tensor(anchors, device=dev)[:, None] + torch.arange(width, device=dev)
-        at = at.clamp(max=logits.shape[1] - 1)
+        t = tokens.shape[1]
+        at = (torch.tensor(anchors, device=dev)[:, None] + torch.arange(width, device=dev)).clamp(max=t - 1)
+        col_of = None  # a wide forward (a prompt's catch-up) computes only the columns read: [B, T, V] would not fit
+        if t > CATCH_UP_ALL_LOGITS:
+            read = {c for a in anchors for c in range(a, min(a + width, t))}
+            read |= {c for r in range(b) if window_at[r] >= 0 for c in range(window_at[r], window_at[r] + self.window)}
+            cols = sorted(read)
+            col_of = torch.zeros(t, dtype=torch.int64, device=dev)
+            col_of[torch.tensor(cols, device=dev)] = torch.arange(len(cols), device=dev)
+            at = col_of[at]
+        logits, _ = self.base.runner.forward_tree(tree, logits_at=None if col_of is None else cols)
+        self.base.draft_calls += 1
+        self._stats["draft_forwards"] += 1
         tok, q, top = self._pick_all(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[2])))
         picks = tok.tolist()
         tops_host = top.tolist() if top is not None else None
@@ -359,19 +367,23 @@ class OuroborosDrafter(Drafter):
                 path += walked[1:]
             paths.append(path)
         if self.lookahead:  # the window's predictions: the draft's argmax at its last level
-            self._window_update(tries, window_at, logits, [prefixes[r][-1] if active[r] else 0 for r in range(b)])
+            self._window_update(tries, window_at, logits, [prefixes[r][-1] if active[r] else 0 for r in range(b)],
+                                col_of)
         counts = [len(p) for p in paths]
         path_t = torch.full((b, max(counts)), -1, dtype=torch.int64)
         for r, p in enumerate(paths):
             path_t[r, : len(p)] = torch.tensor(p, dtype=torch.int64)
         self.base.runner.commit(path_t.to(dev), torch.tensor(counts, device=dev), False, counts)  # seen grows by counts
 
-    def _window_update(self, tries, window_at, logits: torch.Tensor, keys: list[int]) -> None:
+    def _window_update(self, tries, window_at, logits: torch.Tensor, keys: list[int],
+                       col_of: torch.Tensor | None = None) -> None:
         rows = [r for r in range(len(tries)) if window_at[r] >= 0]
         if not rows:
             return
         w = self.window
         idx = torch.tensor([[window_at[r] + j for j in range(w)] for r in rows], device=logits.device)
+        if col_of is not None:  # logits of the columns read only
+            idx = col_of[idx]
         last = logits[torch.tensor(rows, device=logits.device)[:, None], idx]  # [R, W, V]
         new = last.argmax(-1)
         if self.base.vocab_map is not None:
