@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 
 
 def rss() -> int:
@@ -57,8 +56,11 @@ class PeakRSS:
             now = rss()
             self.peak = max(self.peak, now)
             if self.live and now > self._noted + self.LIVE_STEP:
-                self._noted = now
-                self.where = self._note(now)
+                try:
+                    self.where = self._note(now)
+                except Exception as e:  # a diagnostic must not end the sampling
+                    self.where = {"rss_bytes": now, "stack": [], "tensors": [], "error": repr(e)}
+                self._noted = max(now, rss())  # the listing's own memory is no new peak
             time.sleep(0.001)
 
     def _note(self, now: int) -> dict:
@@ -80,9 +82,9 @@ def live_tensors(top: int | None = 12, exclude: set[int] = frozenset()) -> list[
     import torch
 
     seen: dict[int, dict] = {}
-    with warnings.catch_warnings():  # isinstance on a deprecated torch object warns
-        warnings.simplefilter("ignore")
-        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    # type(), not isinstance: isinstance reads __class__, which raises on a dead weak proxy and warns on deprecated
+    # torch objects (and the warnings filters are not the sampler thread's to change)
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
     for obj in tensors:
         try:
             if obj.device.type != "cpu":

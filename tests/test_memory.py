@@ -126,6 +126,7 @@ def _ar_spec():
 def test_live_peak_names_the_tensor_and_the_function_that_holds_it():
     """bench.memory --live: at a new peak the sampler records the main thread's stack and the largest live tensors."""
     import time
+    import weakref
 
     from bench.memory import PeakRSS
 
@@ -134,11 +135,17 @@ def test_live_peak_names_the_tensor_and_the_function_that_holds_it():
         time.sleep(0.2)  # the sampler looks every millisecond
         return x.sum()
 
+    class Thing:
+        pass
+
     old = torch.ones(80 << 20, dtype=torch.uint8)  # bigger, but alive before: not listed
+    things = [Thing() for _ in range(4)]
+    dead = [weakref.proxy(t) for t in things]  # a long test process holds dead weak proxies: the listing skips them
+    del things
     with PeakRSS(live=True) as peak:
         hold_a_big_tensor()
-    del old
-    assert peak.where is not None
+    del old, dead
+    assert peak.where is not None and "error" not in peak.where, peak.where
     assert any("hold_a_big_tensor" in line for line in peak.where["stack"])
     biggest = peak.where["tensors"][0]
     assert biggest["bytes"] == 64 << 20 and biggest["shape"] == [64 << 20] and biggest["dtype"] == "torch.uint8"
