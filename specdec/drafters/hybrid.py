@@ -116,8 +116,7 @@ class HybridDrafter(NGrammysDrafter):
         self._outputs: list[list[int]] = []  # finished rows' outputs, stored when the generation ends
 
     def num_cells(self) -> int:
-        return num_cells(self.k, self.w, self.q, self.n_max, self.c > 0, getattr(self, "s", 0) > 0,
-                         getattr(self, "r", 0) > 0)
+        return num_cells(self.k, self.w, self.q, self.n_max, self.c > 0, self.s > 0, self.r > 0)
 
     def _first_store_source(self) -> int:
         return num_sources(self.q, self.n_max, self.c > 0)
