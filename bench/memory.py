@@ -90,9 +90,9 @@ def live_tensors(top: int | None = 12, exclude: set[int] = frozenset()) -> list[
             if obj.device.type != "cpu":
                 continue
             st = obj.untyped_storage()
-        except Exception:  # a tensor subclass without storage
+            key = st.data_ptr()
+        except Exception:  # a tensor subclass without real storage (fake and functional tensors a compile left behind)
             continue
-        key = st.data_ptr()
         if key in exclude:
             continue
         if key in seen:
