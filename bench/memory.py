@@ -91,15 +91,15 @@ def live_tensors(top: int | None = 12, exclude: set[int] = frozenset()) -> list[
                 continue
             st = obj.untyped_storage()
             key = st.data_ptr()
+            if key in exclude:
+                continue
+            if key in seen:
+                seen[key]["views"] += 1
+            else:
+                seen[key] = {"ptr": key, "bytes": st.nbytes(), "shape": list(obj.shape), "dtype": str(obj.dtype),
+                             "views": 1}
         except Exception:  # a tensor subclass without real storage (fake and functional tensors a compile left behind)
             continue
-        if key in exclude:
-            continue
-        if key in seen:
-            seen[key]["views"] += 1
-        else:
-            seen[key] = {"ptr": key, "bytes": st.nbytes(), "shape": list(obj.shape), "dtype": str(obj.dtype),
-                         "views": 1}
     return sorted(seen.values(), key=lambda t: -t["bytes"])[:top]
 
 
