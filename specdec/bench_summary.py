@@ -72,6 +72,10 @@ def summarize(runs: list[dict], reference: str = "hf") -> dict:
         }
         if drafter:
             summary[m]["drafter"] = drafter
+        compiled = sum(r.get("graphs_compiled", 0) for r in rs)
+        if compiled:  # compiles inside timed runs: their seconds count against the method
+            summary[m]["graphs_compiled"] = compiled
+            summary[m]["compile_seconds"] = sum(r.get("compile_seconds", 0.0) for r in rs)
     ref = summary.get(reference, {}).get("tokens_per_second")
     for m, s in summary.items():
         s["speedup"] = s["tokens_per_second"] / ref if ref else None
@@ -91,6 +95,10 @@ def format_table(result: dict) -> str:
                      f"{fmt(s['speedup'], '.2f') + 'x':>9}"
                      f"{fmt(s['tokens_per_call'], '.2f'):>10}{fmt(s['accept_rate'], '.2f'):>8}"
                      f"{fmt(s['identical_rate'], '.0%'):>11}{fmt(gbs and gbs / 1e9, '.1f'):>7}")
+    for m, s in result["summary"].items():
+        if s.get("graphs_compiled"):
+            lines.append(f"{m}: {s['graphs_compiled']} graph(s) compiled inside timed runs, "
+                         f"{s['compile_seconds']:.1f} s of its time (a forward no warm-up graph covered)")
     cfg = result.get("config", {})
     if cfg.get("batch_size", 1) > 1:
         lines.append(f"batches of {cfg['batch_size']} prompts: tok/s over all rows; ms/tok per row; tok/call per "

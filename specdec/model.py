@@ -400,6 +400,13 @@ class ModelRunner:
     def compiled(self) -> bool:
         return self._compiled is not None
 
+    def compile_events(self) -> tuple[int, float, int]:
+        """Since this runner was built: graphs compiled in the calls that needed them (no saved graph covered
+        the call), the seconds those compiles took, and the times a changed model dropped the graphs. All 0
+        unless the runner holds saved graphs (:class:`specdec.precompile.PrecompiledForward`)."""
+        c = self._compiled
+        return (getattr(c, "captured", 0), getattr(c, "capture_seconds", 0.0), getattr(c, "dropped", 0))
+
     def reset(self, batch_size: int, capacity: int) -> None:
         """Drop all state: ``batch_size`` empty rows with room for ``capacity`` positions each.
 

@@ -248,6 +248,9 @@ class PrecompiledForward:
         self.saved = 0  # graphs compiled and written in this process
         self.hits = 0  # calls that ran a saved or captured graph
         self.guard_seconds = 0.0  # spent checking guards in those calls (dynamo's, run before every graph)
+        self.captured = 0  # graphs compiled in this process because no saved one covered a call (saved or not)
+        self.capture_seconds = 0.0  # the wall time those compiles took, inside the calls that needed them
+        self.dropped = 0  # times check_model found the model changed and dropped the graphs
         self._fingerprint: str | None = None
         self._seen_state: tuple | None = None
 
@@ -270,6 +273,7 @@ class PrecompiledForward:
             return
         if fingerprint(self.model, self.options) != self._fingerprint:
             self._entries, self._loaded, self._fingerprint, self.directory = [], False, None, None
+            self.dropped += 1
         else:
             self._seen_state = self._state()
 
@@ -309,6 +313,7 @@ class PrecompiledForward:
         if not self.capture:
             return self.model.forward(**kwargs)
         if self._failed is None:
+            start = time.perf_counter()
             try:
                 entry = self._capture(kwargs)
             except Exception as exc:  # noqa: BLE001
@@ -316,6 +321,8 @@ class PrecompiledForward:
                 warnings.warn(f"ahead-of-time compile of {type(self.model).__name__} failed ({exc!r}); compiling it "
                               "in process instead", stacklevel=2)
             else:
+                self.captured += 1
+                self.capture_seconds += time.perf_counter() - start
                 self._entries.insert(0, entry)
                 self.hits += 1
                 return entry.fn(self.model, **kwargs)

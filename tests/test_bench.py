@@ -27,6 +27,7 @@ def test_run_bench_all_methods_identical_and_counted():
     assert "hf-assisted" in format_table(res)
     for r in res["runs"]:  # specdec's methods time their prefill, inside the run's time
         assert (r["prefill_seconds"] is None) == r["method"].startswith("hf")
+        assert r["graphs_compiled"] == 0 and r["started_at"] > 0  # eager: nothing compiles in a timed run
         assert r["prefill_seconds"] is None or 0 < r["prefill_seconds"] < r["seconds"]
     from bench.report import markdown
 
@@ -195,3 +196,23 @@ def test_allocation_table_shows_every_source_kind_by_hand():
     assert head.count("slots / accepted") == 5  # context, store, corpus, recycle, bigram
     assert ngrammys == "| ngrammys | 2.0 | 60% / 75% | 0% / 0% | 20% / 25% | 0% / 0% | 20% / 0% |"
     assert hybrid == "| hybrid | 2.0 | 40% / 50% | 20% / 25% | 20% / 0% | 10% / 25% | 10% / 0% |"
+
+
+def test_graphs_compiled_inside_timed_runs_are_summed_and_named():
+    """A forward no warm-up graph covered compiles inside a timed run: the summary sums it per method and the table
+    says so (here by hand; the runner's own counts are checked in test_precompile)."""
+    from specdec.bench_summary import summarize
+
+    def run(method, compiled, seconds):
+        return {"method": method, "prompt_id": "p", "category": "c", "new_tokens": 10, "seconds": 30.0,
+                "target_calls": 10, "draft_calls": 0, "drafted_tokens": None, "accepted_tokens": None,
+                "identical_to_reference": True, "graphs_compiled": compiled, "compile_seconds": seconds}
+
+    res = {"summary": summarize([run("hf", 0, 0.0), run("ar", 0, 0.0), run("ouroboros", 1, 21.5),
+                                 run("ouroboros", 2, 3.0)])}
+    assert "graphs_compiled" not in res["summary"]["ar"]
+    assert res["summary"]["ouroboros"]["graphs_compiled"] == 3
+    assert res["summary"]["ouroboros"]["compile_seconds"] == pytest.approx(24.5)
+    lines = format_table(res).splitlines()
+    assert [line for line in lines if "compiled inside timed runs" in line] == \
+        ["ouroboros: 3 graph(s) compiled inside timed runs, 24.5 s of its time (a forward no warm-up graph covered)"]

@@ -46,6 +46,8 @@ def saved(tmp_path_factory):
         assert isinstance(forward, precompile.PrecompiledForward)
         assert forward._failed is None and forward.loaded == 0 and forward.saved >= 3
         assert forward.saved == len(list(forward.directory.glob("*.graph")))
+        compiled, seconds, dropped = first.runner.compile_events()  # the bench's record of compiles in a run
+        assert compiled == forward.saved and seconds > 0 and dropped == 0
         _check_decodes(first, model)
         torch._dynamo.reset()
     yield model, forward.directory, cache
@@ -64,6 +66,7 @@ def test_saved_graphs_load_without_compiling_and_decode_exactly(saved, monkeypat
     calls = dec.runner.compiled_calls
     _check_decodes(dec, model)
     assert dec.runner.compiled_calls > calls
+    assert dec.runner.compile_events() == (0, 0.0, 0)
 
 
 def test_saved_graphs_read_the_loading_models_weights(saved, monkeypatch):
@@ -103,6 +106,7 @@ def test_a_changed_model_drops_its_graphs(saved, monkeypatch):
     prompt = prompt_of(30, seed=1)
     out = dec.generate_ids([prompt], "ar", 16, GREEDY)
     assert forward.directory != directory and forward.saved > 0
+    assert dec.runner.compile_events()[::2] == (forward.saved, 1)  # the drop, and the graphs compiled after it
     assert out.tokens[0] == hf_generate(tied, prompt, 16, GREEDY)
 
 
