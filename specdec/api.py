@@ -51,19 +51,21 @@ def check_same_vocab(target: PreTrainedModel, draft: PreTrainedModel, target_tok
         raise ValueError("draft tokenizer differs from the target's: a same-tokenizer draft is required")
 
 
-def warm_up(runner: ModelRunner, beside_feature_draft: bool = False) -> None:
+def warm_up(runner: ModelRunner, beside_feature_draft: bool = False, draft: bool = False) -> None:
     """Compile ``runner`` (:meth:`ModelRunner.warm_up`) for the forwards that decoding runs on it: a
     feature-conditioned draft's take zero target states beside the tokens and return hidden states; a
     target's return them too where ``beside_feature_draft`` (sd with such a draft reads them), and not
-    for the other methods; a reduced-vocabulary draft in its reduced-logits mode, as its drafter runs it. A
-    failure raises, naming the model."""
+    for the other methods; a ``draft``'s include its drafter's catch-up of a short prompt (compiled, unlike
+    a target's prefill: without it each fresh cache compiled that graph inside the first generation on a
+    short prompt, 13-39 s on the embedded draft); a reduced-vocabulary draft runs in its reduced-logits mode,
+    as its drafter runs it. A failure raises, naming the model."""
     model = runner.model
     # A reduced-vocabulary draft is run in the mode its drafter runs it in (DraftModelDrafter).
     with model.reduced_logits() if getattr(model, "draft_vocab", None) is not None else contextlib.nullcontext():
         if is_feature_draft(model):
             runner.warm_up(warm_up_inputs(model), return_hidden=True)
         else:
-            runner.warm_up(return_hidden=(False, True) if beside_feature_draft else False)
+            runner.warm_up(return_hidden=(False, True) if beside_feature_draft else False, catch_up=draft)
 
 
 class SpecDecoder:
@@ -126,7 +128,7 @@ class SpecDecoder:
         target, features = self.model, any(is_feature_draft(m) for m, _ in self.drafts.values())
 
         def warm(runner: ModelRunner) -> None:
-            warm_up(runner, beside_feature_draft=features and runner.model is target)
+            warm_up(runner, beside_feature_draft=features and runner.model is target, draft=runner.model is not target)
 
         for runner in [self.runner] + [r for _, r in self.drafts.values()]:
             warm(runner)

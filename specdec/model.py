@@ -432,7 +432,7 @@ class ModelRunner:
         self.reset(self.batch_size, 0)
 
     def warm_up(self, extra_inputs: Callable[[int], dict] | None = None,
-                return_hidden: bool | tuple[bool, ...] = False) -> None:
+                return_hidden: bool | tuple[bool, ...] = False, catch_up: bool = False) -> None:
         """Compile now (``compile=True``; otherwise nothing to do): one forward of each kind a single-row
         decode loop runs, a single token, a chain, a tree, a chain and a tree of at least
         :data:`WIDE_TREE_SDPA` nodes (their attention route) and a tree past 32 nodes (a wider packed mask), on
@@ -440,8 +440,10 @@ class ModelRunner:
 
         extra_inputs: ``extra_inputs(t) -> dict``, the model inputs beside ``t`` tokens that the decode loop
         passes (a feature-conditioned draft's ``target_hidden``: :func:`specdec.draft_models.warm_up_inputs`
-        makes them); the context is then read by a chain through :meth:`forward_tree`, as a drafter's
-        catch-up reads it, instead of :meth:`prefill` (whose forward takes no extra inputs).
+        makes them); implies ``catch_up``.
+        catch_up: the context is read by a chain through :meth:`forward_tree` on an empty cache, compiled, as a
+        drafter's first catch-up reads a short prompt (:data:`specdec.drafters.draft_model.CATCH_UP_ALL_LOGITS`),
+        instead of by :meth:`prefill` (eager): a draft's runner needs that graph, a target's does not.
         return_hidden: compile the forwards that return the last hidden state (``True``), those that do not
         (``False``), or both (``(False, True)``): they are separate graphs, and a feature-conditioned draft's
         forwards, and the target's beside one, return it.
@@ -452,29 +454,35 @@ class ModelRunner:
             return
         try:
             for hidden in (return_hidden,) if isinstance(return_hidden, bool) else return_hidden:
-                self._warm_up(extra_inputs, hidden)
+                self._warm_up(extra_inputs, hidden, catch_up or extra_inputs is not None)
         except Exception as exc:
             self.reset(1, 0)
             raise RuntimeError(f"compiling the decode forwards of {model_label(self.model)} failed: {exc!r}") from exc
 
-    def _warm_up(self, extra_inputs: Callable[[int], dict] | None, return_hidden: bool) -> None:
+    def _warm_up(self, extra_inputs: Callable[[int], dict] | None, return_hidden: bool, catch_up: bool) -> None:
         # Sizes that equal no other dynamic size: symbols with equal values when first traced are unified
         # (a tree size equal to the cache capacity less its offset would specialise the graph to that).
         extra = extra_inputs or (lambda t: None)
         ids = torch.zeros(1, 20, dtype=torch.int64, device=self.device)
         n = ids.shape[1]
         self.reset(1, 97)
-        if extra_inputs is None:
+        if not catch_up:
             self.prefill(ids, torch.tensor([n], device=self.device), return_hidden)
         else:
-            # One eager forward first: transformers installs its output-capturing hooks on a model's first
-            # forward that returns hidden states, under a lock that would break a compiled graph.
-            with torch.inference_mode():
-                self._run(ids, torch.arange(n, device=self.device)[None], None, logits_to_keep=1,
-                          return_hidden=return_hidden, extra_inputs=extra(n))
-            self.reset(1, 97)
-            # Then the context as a drafter's first catch-up reads it: a chain on an empty cache, compiled.
-            self.forward_tree(DraftTree.chain(ids[:, 0], ids[:, 1:]), return_hidden, extra(n))
+            if return_hidden or extra_inputs is not None:
+                # One eager forward first: transformers installs its output-capturing hooks on a model's first
+                # forward that returns hidden states, under a lock that would break a compiled graph.
+                with torch.inference_mode():
+                    self._run(ids, torch.arange(n, device=self.device)[None], None, logits_to_keep=1,
+                              return_hidden=return_hidden, extra_inputs=extra(n))
+            # Then the context as a drafter's first catch-up reads it: a chain on an empty cache, compiled, in
+            # both forms decoding meets: the forward allocates the cache's buffers (a runner's first generation,
+            # or one longer than any before), or it reuses larger ones kept from an earlier generation (a
+            # capacity below the buffers': sizes equal when traced would be unified, and the graph specialised).
+            self._pool.clear()
+            for capacity in (97, 89):
+                self.reset(1, capacity)
+                self.forward_tree(DraftTree.chain(ids[:, 0], ids[:, 1:]), return_hidden, extra(n))
             self.commit(torch.arange(n, device=self.device)[None], torch.tensor([n], device=self.device), True, [n])
         root = ids[:, 0]
         trees = (DraftTree.chain(root), DraftTree.chain(root, ids[:, :4]),

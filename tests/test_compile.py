@@ -116,6 +116,26 @@ def test_compiled_draft_runner_sd(monkeypatch):
     check_rows_leave(dec, "sd", {"draft_length": 3}, monkeypatch, sampled=False)
 
 
+def test_a_drafts_catch_up_of_a_short_prompt_was_compiled_in_warm_up(monkeypatch, tmp_path):
+    """A drafter's first forward reads a short prompt (at most CATCH_UP_ALL_LOGITS tokens) as a chain on an empty
+    cache, compiled: warm-up compiles that graph, so decoding compiles nothing (on a fresh graph cache, every
+    process compiled it inside its first generation on a short prompt; 13-39 s on the embedded draft)."""
+    from tests.test_greedy_lossless import perturbed
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # no graph saved by an earlier run covers anything
+    torch._dynamo.reset()
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6), compile=True)
+    before = [r.compile_events()[0] for r in (dec.runner, dec.draft_runner)]
+    assert min(before) > 0  # warm-up compiled both runners' graphs, here
+    for prompt in (prompt_of(45, seed=45), prompt_of(6, seed=6)):
+        for method, opts in (("sd", {"draft_length": 3, "govern": 0}), ("ouroboros", {"govern": 0})):
+            out = dec.generate_ids([prompt], method, 30, GREEDY, **opts)
+            assert out.tokens[0] == hf_generate(target, prompt, 30, GREEDY), (method, len(prompt))
+    assert [r.compile_events()[0] for r in (dec.runner, dec.draft_runner)] == before
+    torch._dynamo.reset()
+
+
 def test_compiled_feature_draft_sd():
     """A decoder holding a feature-conditioned (EAGLE) draft compiles, target and draft: the draft's warm-up
     passes the zero target states its forward requires (it raised there, and the whole decoder stayed eager)
@@ -143,7 +163,7 @@ def test_failed_compile_warns_naming_the_model_and_keeps_the_others_compiled(mon
     from specdec.model import ModelRunner
     from tests.test_feature_draft import VOCAB, tiny_eagle
 
-    def warm(runner, extra_inputs, return_hidden):  # compiles nothing: the draft fails at once, the rest pass
+    def warm(runner, extra_inputs, return_hidden, catch_up):  # compiles nothing: the draft fails at once, the rest pass
         if is_feature_draft(runner.model):
             raise ValueError("a feature-conditioned (EAGLE) draft needs the target's hidden states")
 
