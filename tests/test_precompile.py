@@ -192,7 +192,7 @@ def test_pinned_attributes_follow_the_fingerprint():
         n: int
         data: torch.Tensor | None = None
 
-    llama = tiny_model("llama")
+    llama = copy.deepcopy(tiny_model("llama"))  # the shared cached model must not keep a local class (later tests pickle it)
     attn = "self._modules['model']._modules['layers']._modules['0']._modules['self_attn']"
     proj = attn + "._modules['q_proj']"
     llama.model.layers[0].self_attn.q_proj.record = Record(4, torch.zeros(1))
