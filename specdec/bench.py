@@ -55,8 +55,8 @@ class _CallCounter:
 
 def _compile_events(dec: SpecDecoder) -> tuple[int, float, int]:
     """Graphs compiled, their seconds, and graph drops so far, over the target's and every draft's runner."""
-    events = [dec.runner.compile_events()] + [r.compile_events() for _, r in dec.drafts.values() if r is not None]
-    return (sum(e[0] for e in events), sum(e[1] for e in events), sum(e[2] for e in events))
+    runners = [dec.runner] + [r for _, r in dec.drafts.values() if r is not None]
+    return tuple(map(sum, zip(*(r.compile_events() for r in runners))))
 
 
 def _run_batch(dec: SpecDecoder, label: str, prompts: list[list[int]], max_new: int, sampling: SamplingConfig,
