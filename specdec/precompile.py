@@ -240,6 +240,7 @@ class PrecompiledForward:
         self.options = dict(options)
         self.directory = directory  # default: from the fingerprint, taken at the first call (the model is final)
         self._entries: list = []
+        self._waiting: list = []  # saved graphs that need an attribute the model does not have yet (see _read)
         self._loaded = False
         self._compiler = None
         self._failed: str | None = None  # why capture or save failed: later misses go to torch.compile's path
@@ -272,7 +273,7 @@ class PrecompiledForward:
         if self._fingerprint is None or self._state() == self._seen_state:
             return
         if fingerprint(self.model, self.options) != self._fingerprint:
-            self._entries, self._loaded, self._fingerprint, self.directory = [], False, None, None
+            self._entries, self._waiting, self._loaded, self._fingerprint, self.directory = [], [], False, None, None
             self.dropped += 1
         else:
             self._seen_state = self._state()
@@ -285,31 +286,42 @@ class PrecompiledForward:
             self.directory = _cache_dir() / self._fingerprint
         if not self.directory.is_dir():
             return
+        self._read(sorted(self.directory.glob("*.graph")))
+
+    def _read(self, paths: list) -> bool:
+        """Load the graphs saved at ``paths``; whether any loaded. A graph that reads an attribute this model does
+        not have yet waits for a later miss: transformers marks a model (``_output_capturing_hooks_installed``) the
+        first time a forward asks for hidden states, so a graph traced on a marked model (a feature draft's target)
+        cannot be bound to a model that has not yet run such a forward, and will be once it has."""
         loader = _bound_loader(self.model)
         external = _external_data(self.model)
-        for path in sorted(self.directory.glob("*.graph")):
+        loaded = False
+        for path in paths:
             try:
                 record = pickle.loads(path.read_bytes())
                 scope = {name: importlib.import_module(module) for name, module in record["modules"].items()}
                 with torch.inference_mode():
                     self._entries.append(loader.deserialize(record["graph"], scope, external))
                 self.loaded += 1
+                loaded = True
+            except AttributeError:
+                self._waiting.append(path)
             except Exception as exc:  # noqa: BLE001  (an unreadable or foreign file: compiled afresh on a miss)
                 warnings.warn(f"skipping the saved graph {path}: {exc!r}", stacklevel=3)
                 with contextlib.suppress(OSError):
                     path.rename(path.with_suffix(".bad"))  # not read (nor warned about) again
+        return loaded
 
     def __call__(self, **kwargs):
         if not self._loaded:
             self._load()
-        start = time.perf_counter()
-        for i, entry in enumerate(self._entries):
-            if entry.guard_check(self.model, **kwargs):
-                self.guard_seconds += time.perf_counter() - start
-                if i:  # the last hit is checked first: a decode loop repeats one kind of forward
-                    self._entries.insert(0, self._entries.pop(i))
-                self.hits += 1
-                return entry.fn(self.model, **kwargs)
+        entry = self._hit(kwargs)
+        if entry is None and self._waiting:
+            waiting, self._waiting = self._waiting, []
+            if self._read(waiting):
+                entry = self._hit(kwargs)
+        if entry is not None:
+            return entry.fn(self.model, **kwargs)
         if not self.capture:
             return self.model.forward(**kwargs)
         if self._failed is None:
@@ -329,6 +341,18 @@ class PrecompiledForward:
         if self._jit is None:
             self._jit = torch.compile(self.model.forward, dynamic=True, options=self.options)
         return self._jit(**kwargs)
+
+    def _hit(self, kwargs: dict):
+        """The loaded or captured graph whose guards pass for this call, or None."""
+        start = time.perf_counter()
+        for i, entry in enumerate(self._entries):
+            if entry.guard_check(self.model, **kwargs):
+                self.guard_seconds += time.perf_counter() - start
+                if i:  # the last hit is checked first: a decode loop repeats one kind of forward
+                    self._entries.insert(0, self._entries.pop(i))
+                self.hits += 1
+                return entry
+        return None
 
     def _capture(self, kwargs: dict):
         if self._compiler is None:

@@ -3,6 +3,7 @@ compiling, reads its own weights through them, and decodes exactly as transforme
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -204,3 +205,29 @@ def test_pinned_attributes_follow_the_fingerprint():
     before = precompile.fingerprint(llama)
     llama.model.layers[0].self_attn.q_proj.record.n = 5
     assert precompile.fingerprint(llama) != before
+
+
+def test_a_graph_traced_on_a_hooked_model_waits_for_the_hooks_of_the_loading_model(tmp_path, monkeypatch):
+    """transformers marks a model the first time a forward asks for hidden states; a graph traced after that reads
+    the mark. A model without it yet (a plain draft's target) leaves such a saved graph on disk, unwarned, and binds
+    it once a forward of its own has marked it, without compiling."""
+    ids = torch.tensor([prompt_of(12, seed=3)])
+    kwargs = dict(input_ids=ids, output_hidden_states=True, use_cache=False)
+    hooked = copy.deepcopy(tiny_model("llama"))
+    with torch.inference_mode():
+        want = hooked(**kwargs).hidden_states[-1]  # eager: transformers installs its capturing hooks and marks the model
+        first = precompile.PrecompiledForward(hooked, {}, tmp_path)
+        first(**kwargs)
+    assert first.saved == 1
+
+    fresh = copy.deepcopy(tiny_model("llama"))
+    forward = precompile.PrecompiledForward(fresh, {}, tmp_path, capture=False)
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("error")
+        forward(input_ids=ids, use_cache=False)  # a plain call: runs eagerly (capture off), the graph waits
+        assert forward.loaded == 0 and len(list(tmp_path.glob("*.graph"))) == 1
+        fresh(**kwargs)  # marks the model
+        monkeypatch.setattr(torch._dynamo.aot_compile, "aot_compile_fullgraph", _refuse)
+        got = forward(**kwargs).hidden_states[-1]
+    assert forward.loaded == 1 and forward.hits == 1
+    torch.testing.assert_close(got, want)
