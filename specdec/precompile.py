@@ -304,13 +304,20 @@ class PrecompiledForward:
                     self._entries.append(loader.deserialize(record["graph"], scope, external))
                 self.loaded += 1
                 loaded = True
-            except AttributeError:
-                self._waiting.append(path)
+            except AttributeError as exc:
+                if not isinstance(exc.obj, nn.Module):  # not the model's own attribute: a foreign file
+                    self._skip(path, exc)
+                else:
+                    self._waiting.append(path)
             except Exception as exc:  # noqa: BLE001  (an unreadable or foreign file: compiled afresh on a miss)
-                warnings.warn(f"skipping the saved graph {path}: {exc!r}", stacklevel=3)
-                with contextlib.suppress(OSError):
-                    path.rename(path.with_suffix(".bad"))  # not read (nor warned about) again
+                self._skip(path, exc)
         return loaded
+
+    @staticmethod
+    def _skip(path, exc: Exception) -> None:
+        warnings.warn(f"skipping the saved graph {path}: {exc!r}", stacklevel=4)
+        with contextlib.suppress(OSError):
+            path.rename(path.with_suffix(".bad"))  # not read (nor warned about) again
 
     def __call__(self, **kwargs):
         if not self._loaded:

@@ -231,3 +231,16 @@ def test_a_graph_traced_on_a_hooked_model_waits_for_the_hooks_of_the_loading_mod
         got = forward(**kwargs).hidden_states[-1]
     assert forward.loaded == 1 and forward.hits == 1
     torch.testing.assert_close(got, want)
+
+
+def test_an_unreadable_saved_graph_is_named_and_set_aside(tmp_path):
+    """A corrupt file in the graph directory is an error worth a warning, not a graph to wait for: it is renamed
+    ``.bad`` (never read again) and the call runs without it."""
+    model = copy.deepcopy(tiny_model("llama"))
+    (tmp_path / "corrupt.graph").write_bytes(b"not a pickled graph")
+    forward = precompile.PrecompiledForward(model, {}, tmp_path, capture=False)
+    ids = torch.tensor([prompt_of(6, seed=2)])
+    with pytest.warns(UserWarning, match="skipping the saved graph .*corrupt.graph"), torch.inference_mode():
+        forward(input_ids=ids, use_cache=False)
+    assert forward.loaded == 0 and not forward._waiting
+    assert (tmp_path / "corrupt.bad").exists() and not (tmp_path / "corrupt.graph").exists()
