@@ -240,7 +240,7 @@ class PrecompiledForward:
         self.options = dict(options)
         self.directory = directory  # default: from the fingerprint, taken at the first call (the model is final)
         self._entries: list = []
-        self._waiting: list = []  # saved graphs that need an attribute the model does not have yet (see _read)
+        self._waiting: list = []  # (path, module, attribute): saved graphs that need an attribute the module lacks
         self._loaded = False
         self._compiler = None
         self._failed: str | None = None  # why capture or save failed: later misses go to torch.compile's path
@@ -288,13 +288,14 @@ class PrecompiledForward:
             return
         self._read(sorted(self.directory.glob("*.graph")))
 
-    def _read(self, paths: list) -> bool:
-        """Load the graphs saved at ``paths``; whether any loaded. A graph that reads an attribute this model does
-        not have yet waits for a later miss: transformers marks a model (``_output_capturing_hooks_installed``) the
-        first time a forward asks for hidden states, so a graph traced on a marked model (a feature draft's target)
-        cannot be bound to a model that has not yet run such a forward, and will be once it has."""
+    def _read(self, paths: list, stacklevel: int = 5) -> bool:
+        """Load the graphs saved at ``paths``; whether any loaded. A graph that reads an attribute one of this
+        model's modules does not have yet waits until it has it: transformers marks a model
+        (``_output_capturing_hooks_installed``) the first time a forward asks for hidden states, so a graph traced on
+        a marked model (a feature draft's target) cannot be bound to a model that has not run such a forward yet."""
         loader = _bound_loader(self.model)
         external = _external_data(self.model)
+        modules = {id(m) for m in self.model.modules()}
         loaded = False
         for path in paths:
             try:
@@ -305,28 +306,35 @@ class PrecompiledForward:
                 self.loaded += 1
                 loaded = True
             except AttributeError as exc:
-                if not isinstance(exc.obj, nn.Module):  # not the model's own attribute: a foreign file
-                    self._skip(path, exc)
-                else:
-                    self._waiting.append(path)
+                if id(exc.obj) in modules and exc.name:
+                    self._waiting.append((path, exc.obj, exc.name))
+                else:  # not an attribute of this model's: a foreign file
+                    self._skip(path, exc, stacklevel)
             except Exception as exc:  # noqa: BLE001  (an unreadable or foreign file: compiled afresh on a miss)
-                self._skip(path, exc)
+                self._skip(path, exc, stacklevel)
         return loaded
 
     @staticmethod
-    def _skip(path, exc: Exception) -> None:
-        warnings.warn(f"skipping the saved graph {path}: {exc!r}", stacklevel=4)
+    def _skip(path, exc: Exception, stacklevel: int) -> None:
+        warnings.warn(f"skipping the saved graph {path}: {exc!r}", stacklevel=stacklevel)
         with contextlib.suppress(OSError):
             path.rename(path.with_suffix(".bad"))  # not read (nor warned about) again
+
+    def _read_ready(self) -> bool:
+        """Load the waiting graphs whose attribute the model has now (a check per waiting graph, no file read
+        until then); whether any loaded."""
+        ready = [w for w in self._waiting if hasattr(w[1], w[2])]
+        if not ready:
+            return False
+        self._waiting = [w for w in self._waiting if w not in ready]
+        return self._read([path for path, _, _ in ready])
 
     def __call__(self, **kwargs):
         if not self._loaded:
             self._load()
         entry = self._hit(kwargs)
-        if entry is None and self._waiting:
-            waiting, self._waiting = self._waiting, []
-            if self._read(waiting):
-                entry = self._hit(kwargs)
+        if entry is None and self._waiting and self._read_ready():
+            entry = self._hit(kwargs)
         if entry is not None:
             return entry.fn(self.model, **kwargs)
         if not self.capture:

@@ -224,7 +224,7 @@ def test_cost_schedule_plans_with_the_batchs_step_costs(monkeypatch):
                         ("dear", {t: 1.0 if t == 1 else 1e4 * t for t in StepCost.SIZES})):
         one_row.batches[2] = StepCost(table, explore_every=0)
         res = dec.generate_ids(prompts, "gsd", 12, GREEDY, prob_threshold=0.0, sibling_threshold=0.0, max_depth=4,
-                               schedule="cost")
+                               schedule="cost", govern=0)  # ungoverned: plain steps would follow the machine's load
         assert res.tokens == [hf_generate(target, p, 12, GREEDY) for p in prompts]
         forwards[name] = res.stats.drafter["graph"]["draft_forwards"]
     assert forwards["dear"] < forwards["flat"], forwards

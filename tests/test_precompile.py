@@ -209,8 +209,8 @@ def test_pinned_attributes_follow_the_fingerprint():
 
 def test_a_graph_traced_on_a_hooked_model_waits_for_the_hooks_of_the_loading_model(tmp_path, monkeypatch):
     """transformers marks a model the first time a forward asks for hidden states; a graph traced after that reads
-    the mark. A model without it yet (a plain draft's target) leaves such a saved graph on disk, unwarned, and binds
-    it once a forward of its own has marked it, without compiling."""
+    the mark. A model without it yet (a plain draft's target) leaves such a saved graph on disk, unwarned and unread
+    while the mark is missing, and binds it once a forward of its own has marked it, without compiling."""
     ids = torch.tensor([prompt_of(12, seed=3)])
     kwargs = dict(input_ids=ids, output_hidden_states=True, use_cache=False)
     hooked = copy.deepcopy(tiny_model("llama"))
@@ -219,17 +219,24 @@ def test_a_graph_traced_on_a_hooked_model_waits_for_the_hooks_of_the_loading_mod
         first = precompile.PrecompiledForward(hooked, {}, tmp_path)
         first(**kwargs)
     assert first.saved == 1
+    saved = list(tmp_path.glob("*.graph"))
 
+    reads = []  # the graph files each read took
+    real_read = precompile.PrecompiledForward._read
+    monkeypatch.setattr(precompile.PrecompiledForward, "_read",
+                        lambda self, paths, *a: reads.extend(paths) or real_read(self, paths, *a))
     fresh = copy.deepcopy(tiny_model("llama"))
-    forward = precompile.PrecompiledForward(fresh, {}, tmp_path, capture=False)
+    forward = precompile.PrecompiledForward(fresh, {}, tmp_path)
     with warnings.catch_warnings(), torch.inference_mode():
         warnings.simplefilter("error")
-        forward(input_ids=ids, use_cache=False)  # a plain call: runs eagerly (capture off), the graph waits
-        assert forward.loaded == 0 and len(list(tmp_path.glob("*.graph"))) == 1
+        for _ in range(3):  # plain calls: the first captures its own graph, the waiting one is read once only
+            forward(input_ids=ids, use_cache=False)
+        assert forward.loaded == 0 and forward.captured == 1 and len(reads) == 1
+        assert all(p.exists() for p in saved)
         fresh(**kwargs)  # marks the model
         monkeypatch.setattr(torch._dynamo.aot_compile, "aot_compile_fullgraph", _refuse)
         got = forward(**kwargs).hidden_states[-1]
-    assert forward.loaded == 1 and forward.hits == 1
+    assert forward.loaded == 1 and forward.captured == 1 and len(reads) == 2
     torch.testing.assert_close(got, want)
 
 
