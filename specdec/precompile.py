@@ -288,7 +288,7 @@ class PrecompiledForward:
             return
         self._read(sorted(self.directory.glob("*.graph")))
 
-    def _read(self, paths: list, stacklevel: int = 5) -> bool:
+    def _read(self, paths: list) -> bool:
         """Load the graphs saved at ``paths``; whether any loaded. A graph that reads an attribute one of this
         model's modules does not have yet waits until it has it: transformers marks a model
         (``_output_capturing_hooks_installed``) the first time a forward asks for hidden states, so a graph traced on
@@ -309,25 +309,25 @@ class PrecompiledForward:
                 if id(exc.obj) in modules and exc.name:
                     self._waiting.append((path, exc.obj, exc.name))
                 else:  # not an attribute of this model's: a foreign file
-                    self._skip(path, exc, stacklevel)
+                    self._skip(path, exc)
             except Exception as exc:  # noqa: BLE001  (an unreadable or foreign file: compiled afresh on a miss)
-                self._skip(path, exc, stacklevel)
+                self._skip(path, exc)
         return loaded
 
     @staticmethod
-    def _skip(path, exc: Exception, stacklevel: int) -> None:
-        warnings.warn(f"skipping the saved graph {path}: {exc!r}", stacklevel=stacklevel)
+    def _skip(path, exc: Exception) -> None:  # called from _read, from _load or _read_ready, from __call__
+        warnings.warn(f"skipping the saved graph {path}: {exc!r}", stacklevel=5)
         with contextlib.suppress(OSError):
             path.rename(path.with_suffix(".bad"))  # not read (nor warned about) again
 
     def _read_ready(self) -> bool:
         """Load the waiting graphs whose attribute the model has now (a check per waiting graph, no file read
         until then); whether any loaded."""
-        ready = [w for w in self._waiting if hasattr(w[1], w[2])]
+        ready = [path for path, module, name in self._waiting if hasattr(module, name)]
         if not ready:
             return False
-        self._waiting = [w for w in self._waiting if w not in ready]
-        return self._read([path for path, _, _ in ready])
+        self._waiting = [w for w in self._waiting if w[0] not in ready]
+        return self._read(ready)
 
     def __call__(self, **kwargs):
         if not self._loaded:
