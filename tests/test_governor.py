@@ -56,6 +56,27 @@ def test_one_slow_step_decides_nothing():
     assert drive(DraftGovernor(probe=3, window=5), 200, lambda i, k: (0.01 if i == 50 else 2.0) if k else 1.0) == steady
 
 
+def test_a_dear_losing_draft_costs_at_most_its_exploration_share():
+    # Sixteen rows: a drafting step takes 3.3x a plain step for the same tokens. The old doubling schedule alone
+    # (explore=1: pauses of at most 64 steps) probes every ~67 steps, 3 dear steps each time.
+    def lost_share(gov):
+        kinds = drive(gov, 3000, lambda i, k: 0.3 if k else 1.0, rows=16)
+        drafting = sum(kinds)
+        return drafting * (1 / 0.3 - 1) / (len(kinds) - drafting + drafting / 0.3)
+
+    assert lost_share(DraftGovernor(explore=1.0, max_hold=64)) > 0.08
+    assert lost_share(DraftGovernor(explore=0.02)) <= 0.025  # the first probe's loss included
+
+
+def test_a_cheap_losing_draft_keeps_the_doubling_schedule():
+    # One row: a drafting step costs 5% more than a plain one. Its probes lose little, so the pauses stay the
+    # doubling ones and a row that starts copying its context is found as soon as before.
+    def kinds(gov):
+        return drive(gov, 400, lambda i, k: 0.95 if k else 1.0, rows=1)
+
+    assert kinds(DraftGovernor()) == kinds(DraftGovernor(explore=1.0, max_hold=64))
+
+
 def test_batch_sizes_are_governed_apart():
     gov = DraftGovernor(probe=3)
     drive(gov, 100, lambda i, k: 2.0 if k else 1.0, rows=1)  # one row: drafting pays
@@ -71,6 +92,10 @@ def test_rejects_bad_settings():
         DraftGovernor(probe=0)
     with pytest.raises(ValueError):
         DraftGovernor(pause=16, max_pause=8)
+    with pytest.raises(ValueError):
+        DraftGovernor(explore=0)
+    with pytest.raises(ValueError):
+        DraftGovernor(max_pause=64, max_hold=32)
 
 
 class Scripted(DraftGovernor):

@@ -14,13 +14,21 @@ median, so one slow step decides nothing) is at least the plain steps'. Rates ar
 probes that alternate the two kinds step by step, so both are timed under the same load (this machine's
 speed drifts by 20% over seconds). Once plain steps win it probes again after a pause that doubles each
 time drafting still loses (8, 16, 32, 64 steps) and resets once it wins, so a row that starts copying its
-context is found again; while drafting wins it probes again every ``refresh`` drafting steps. Rates persist across generations of one
+context is found again; while drafting wins it probes again every ``refresh`` drafting steps.
+
+A probe that drafting loses costs time: its drafting steps' seconds beyond what plain steps would have taken
+for the same tokens. Where a drafting step is dear that is most of the loss, not the pause: 16 rows of `pld`
+on a Zen 3 drafted in 7% of their steps, nearly all of them probes, each as dear as 3-4 plain steps, and ran at
+0.87x `ar` (bench/RESULTS.md, Never slower). So the pause after a lost probe is also at least what keeps the
+probes' lost time under ``explore`` of the decode time (its lost seconds over ``explore`` plain steps): short
+where a draft is cheap to try (one row), long where it is dear. Rates persist across generations of one
 decoder, and so does the probe schedule, so each call does not pay to relearn them.
 
 Every decision keeps decoding exact: a plain step is a draft of nothing.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from statistics import median
 
@@ -29,16 +37,22 @@ class DraftGovernor:
     """Decides per step whether the decode loop drafts, from measured whole-step rates.
 
     probe: steps of each kind in one probe; pause: plain steps before drafting is tried again (doubling
-    to ``max_pause`` while it keeps losing); refresh: drafting steps between re-timings of plain steps;
-    window: steps kept per kind and batch size.
+    to ``max_pause`` while it keeps losing); explore: the share of decode time a lost probe may cost (the pause
+    after one is long enough for that, up to ``max_hold`` steps); refresh: drafting steps between re-timings of
+    plain steps; window: steps kept per kind and batch size.
     """
 
-    def __init__(self, probe: int = 3, pause: int = 8, max_pause: int = 64, refresh: int = 128, window: int = 8):
-        if min(probe, pause, refresh, window) < 1 or max_pause < pause:
-            raise ValueError("probe, pause, refresh and window must be >= 1 and max_pause >= pause")
+    def __init__(self, probe: int = 3, pause: int = 8, max_pause: int = 64, refresh: int = 128, window: int = 8,
+                 explore: float = 0.02, max_hold: int = 4096):
+        if min(probe, pause, refresh, window) < 1 or max_pause < pause or max_hold < max_pause:
+            raise ValueError("probe, pause, refresh and window must be >= 1 and pause <= max_pause <= max_hold")
+        if not 0 < explore <= 1:
+            raise ValueError(f"explore must lie in (0, 1], got {explore}")
         self.probe, self.pause, self.max_pause, self.refresh, self.window = probe, pause, max_pause, refresh, window
+        self.explore, self.max_hold = explore, max_hold
         self._rates: dict[int, dict[bool, deque]] = {}  # rows -> drafting? -> (tokens per row, seconds) of recent steps
         self._pause, self._waited, self._since_plain = pause, 0, 0
+        self._hold = 0  # plain steps the last lost probe's cost asks for before the next probe
         self.begin()
 
     def begin(self) -> None:
@@ -89,17 +103,33 @@ class DraftGovernor:
                 fresh = list(bucket[True])[-last:]
                 bucket[True].clear()
                 bucket[True].extend(fresh)
-            self._pause, self._waited = self.pause, 0
+            self._pause, self._waited, self._hold = self.pause, 0, 0
             self._since_plain += 1
             if self._since_plain > self.refresh:
                 self._since_plain = 0
                 return self._compare()
             return True
+        if last:
+            self._hold = self._cost_pause(rows)
         self._waited += 1
-        if self._waited > self._pause:
+        if self._waited > max(self._pause, self._hold):
             self._waited, self._pause = 0, min(2 * self._pause, self.max_pause)
             return self._compare()
         return False
+
+    def _cost_pause(self, rows: int) -> int:
+        """Plain steps to wait after a probe that drafting lost over ``rows`` rows, so that its cost stays
+        under ``explore`` of the decode time: the probe's drafting seconds beyond the same tokens at the probe's
+        plain rate (each drafting step's seconds clipped to 3x their median, as :meth:`rate` does), over
+        ``explore`` plain steps (their median seconds)."""
+        bucket = self._rates[rows]
+        plain, drafting = list(bucket[False])[-self.probe:], list(bucket[True])[-self.probe:]
+        rate = self.rate(rows, False, self.probe)
+        if not plain or not drafting or not rate:
+            return 0
+        cap = 3 * median(t for _, t in drafting)
+        lost = sum(max(0.0, min(t, cap) - n / rate) for n, t in drafting)
+        return min(self.max_hold, math.ceil(lost / (self.explore * median(t for _, t in plain))))
 
     def _compare(self) -> bool:
         """Start a probe: ``probe`` drafting and plain steps, alternating (so that both kinds are timed under
