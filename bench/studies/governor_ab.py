@@ -1,7 +1,8 @@
 """The draft governor's pause rule, A/B in one process: the doubling pause alone against the cost-bounded one.
 
-Each governed method runs twice per batch, once with a governor whose pause after a lost probe is only the
-doubling one (``explore=1, max_hold=64``: the rule before the cost bound) and once with the default
+Each governed method runs twice per batch, once with a governor whose pause after a lost probe is about the
+doubling one (``explore=1, max_hold=64``: the hold is then the probe's lost time in plain steps, within the
+doubling pause's cap; close to the rule before the cost bound, not identical) and once with the default
 (:class:`specdec.policies.DraftGovernor`), each arm keeping its own governor across calls as a decoder does;
 ``ar`` runs beside them. One untimed call per arm first (the draft's and the step cost's first-use work), then
 ``--rounds`` rounds over the prompts in batches of ``--batch-size``, the arms' order reversed every batch.

@@ -75,11 +75,17 @@ class DraftGovernor:
         """Tokens per second per row of the recent ``drafting`` (or plain) steps over ``rows`` rows, the ``last``
         ones only if given (None before any): their tokens over their seconds, each step's clipped to 3x their
         median."""
+        seen = self._clipped(rows, drafting, last)
+        return sum(n for n, _ in seen) / sum(t for _, t in seen) if seen else None
+
+    def _clipped(self, rows: int, drafting: bool, last: int | None = None) -> list[tuple[float, float]]:
+        """The recent ``drafting`` (or plain) steps over ``rows`` rows (the ``last`` ones only if given) as
+        (tokens per row, seconds), each step's seconds clipped to 3x their median: one slow step decides nothing."""
         seen = list(self._rates.get(rows, {}).get(drafting, ()))[-last if last else 0:]
         if not seen:
-            return None
+            return []
         cap = 3 * median(t for _, t in seen)
-        return sum(n for n, _ in seen) / sum(min(t, cap) for _, t in seen)
+        return [(n, min(t, cap)) for n, t in seen]
 
     def drafts(self, rows: int) -> bool:
         """Whether the next step over ``rows`` rows drafts."""
@@ -122,13 +128,11 @@ class DraftGovernor:
         under ``explore`` of the decode time: the probe's drafting seconds beyond the same tokens at the probe's
         plain rate (each drafting step's seconds clipped to 3x their median, as :meth:`rate` does), over
         ``explore`` plain steps (their median seconds)."""
-        bucket = self._rates[rows]
-        plain, drafting = list(bucket[False])[-self.probe:], list(bucket[True])[-self.probe:]
+        plain, drafting = self._clipped(rows, False, self.probe), self._clipped(rows, True, self.probe)
         rate = self.rate(rows, False, self.probe)
-        if not plain or not drafting or not rate:
+        if not drafting or not rate:
             return 0
-        cap = 3 * median(t for _, t in drafting)
-        lost = sum(max(0.0, min(t, cap) - n / rate) for n, t in drafting)
+        lost = sum(max(0.0, t - n / rate) for n, t in drafting)
         return min(self.max_hold, math.ceil(lost / (self.explore * median(t for _, t in plain))))
 
     def _compare(self) -> bool:
