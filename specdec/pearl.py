@@ -161,12 +161,15 @@ def pearl_generate(
     seconds and the seconds the target waited for the draft.
 
     ``governor``: decides per round whether the draft drafts (see the module's "Fallback"); a plain round runs the
-    target on ``cores.alone()`` (default: the threads it has), a drafting one on ``cores.shared()``.
+    target on ``cores.alone()`` (default: the threads it has), a drafting one on ``cores.shared()``; the prefill,
+    before the draft has anything to do, runs on ``cores.alone()``.
     """
     window = window or WindowLength(4)
     gmax = window.largest
     stats, t0 = DecodeStats(), time.perf_counter()
     state, out, verifier = start_generation(target, prompts, max_new_tokens, sampling, eos_token_ids, gmax + 1)
+    if cores is not None:  # the draft has nothing to do before the first round: the prefill takes every core
+        cores.alone()
     with timed(stats, "prefill_s", "target_s"):
         logits, _ = target.prefill(state.padded(), state.seq_lens)
     stats.target_calls += 1
@@ -358,8 +361,9 @@ class PearlDecoding:
 
     make_backend: ``() -> (ConcurrentDraft, core or None)``, the core a worker is pinned to; make_window:
     ``() -> WindowLength``; largest_window: the window's upper bound (for the cache margin). A generation runs the
-    target on one intra-op thread, off the worker's core, both restored afterwards (an inline backend then runs
-    target and draft on that one thread, one after the other).
+    target's drafting rounds on one intra-op thread, off the worker's core, and its prefill and plain rounds on
+    every core, restored afterwards (an inline backend runs target and draft on that one thread, one after the
+    other).
     """
 
     needs_hidden = False  # the draft reads tokens only
