@@ -140,30 +140,61 @@ def test_node_caps_keep_a_tree_and_stay_lossless():
     assert max(seen) <= 2 and max(seen) > 0
 
 
+def _catch_up_widths(prompts, limit, monkeypatch, read_prompt=True):
+    """A fresh draft's first catch-up on ``prompts`` with CATCH_UP_ALL_LOGITS = ``limit``: its logits ``[B,V]``,
+    the logits widths of its runner's tree forwards, and how many prefills it ran."""
+    import specdec.drafters.draft_model as dm
+
+    monkeypatch.setattr(dm, "CATCH_UP_ALL_LOGITS", limit)
+    runner = ModelRunner(tiny_model("llama"))
+    widths, prefills = [], []
+    forward, prefill = runner.forward_tree, runner.prefill
+
+    def spy(*args, **kwargs):
+        logits, hidden = forward(*args, **kwargs)
+        widths.append(logits.shape[1])
+        return logits, hidden
+
+    def spy_prefill(ids, lens, *args):
+        prefills.append(lens.tolist())
+        return prefill(ids, lens, *args)
+
+    runner.forward_tree, runner.prefill = spy, spy_prefill
+    drafter = DraftModelDrafter(runner, GREEDY)
+    if not read_prompt:
+        monkeypatch.setattr(drafter, "read_prompt", lambda state: None)
+    state = _state(prompts)
+    drafter.begin(state)
+    return drafter.catch_up(state)[0], widths, prefills
+
+
 def test_prompt_catch_up_computes_last_logits_only(monkeypatch):
-    """A draft catching up on ragged prompts longer than CATCH_UP_ALL_LOGITS computes logits at each row's last
-    token only ([B, distinct last columns, V], not [B, W, V]) and returns what the full forward gives there."""
+    """A draft catching up on ragged contexts longer than CATCH_UP_ALL_LOGITS as one chain (a catch-up after many
+    plain steps) computes logits at each row's last token only ([B, distinct last columns, V], not [B, W, V]) and
+    returns what the full forward gives there."""
     import specdec.drafters.draft_model as dm
 
     prompts = [prompt_of(70, seed=1), prompt_of(100, seed=2), prompt_of(70, seed=3), prompt_of(90, seed=4)]
-    got, default = {}, dm.CATCH_UP_ALL_LOGITS
-    for limit in (default, 10**6):
-        monkeypatch.setattr(dm, "CATCH_UP_ALL_LOGITS", limit)
-        runner = ModelRunner(tiny_model("llama"))
-        widths = []
-        forward = runner.forward_tree
-
-        def spy(*args, **kwargs):
-            logits, hidden = forward(*args, **kwargs)
-            widths.append(logits.shape[1])
-            return logits, hidden
-
-        runner.forward_tree = spy
-        drafter = DraftModelDrafter(runner, GREEDY)
-        state = _state(prompts)
-        drafter.begin(state)
-        got[limit] = (drafter.catch_up(state)[0], widths)
-    (cut, cut_widths), (full, full_widths) = got[default], got[10**6]
+    cut, cut_widths, _ = _catch_up_widths(prompts, dm.CATCH_UP_ALL_LOGITS, monkeypatch, read_prompt=False)
+    full, full_widths, _ = _catch_up_widths(prompts, 10**6, monkeypatch)
     assert cut_widths == [3] and full_widths == [100]  # the rows end at columns 69, 89 and 99
     torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5)
     assert torch.equal(cut.argmax(-1), full.argmax(-1))
+
+
+def test_a_long_prompt_is_read_by_the_drafts_prefill(monkeypatch):
+    """A fresh draft reads ragged prompts longer than CATCH_UP_ALL_LOGITS with its runner's prefill (row by row
+    where padding would waste the forward), all but each row's root, then catches up on the roots: no forward as
+    wide as the longest prompt, and the logits the padded chain gives."""
+    import specdec.drafters.draft_model as dm
+
+    prompts = [prompt_of(70, seed=1), prompt_of(300, seed=2), prompt_of(40, seed=3), prompt_of(90, seed=4)]
+    read, widths, prefills = _catch_up_widths(prompts, dm.CATCH_UP_ALL_LOGITS, monkeypatch)
+    chain, chain_widths, chain_prefills = _catch_up_widths(prompts, dm.CATCH_UP_ALL_LOGITS, monkeypatch,
+                                                           read_prompt=False)
+    assert prefills == [[69, 299, 39, 89]] and max(widths) == 1
+    assert chain_prefills == [] and chain_widths == [4]
+    torch.testing.assert_close(read, chain, rtol=1e-4, atol=1e-4)
+    assert torch.equal(read.argmax(-1), chain.argmax(-1))
+    short = [prompt_of(30, seed=1), prompt_of(60, seed=2)]  # one chain, the compiled graph's shape
+    assert _catch_up_widths(short, dm.CATCH_UP_ALL_LOGITS, monkeypatch)[2] == []

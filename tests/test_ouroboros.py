@@ -223,15 +223,29 @@ def test_every_combination_of_parts_is_lossless(exact_dec, parts):
 
 @pytest.mark.parametrize("lookahead", [0, 1])
 def test_a_long_prompt_computes_only_the_logits_the_walk_reads(exact_dec, monkeypatch, lookahead):
-    """The first draft forward feeds the whole prompt: past CATCH_UP_ALL_LOGITS columns it asks for the anchor's,
-    the phrases' and the window's logits only (a [B, prompt, V] tensor was the largest allocation of a call), and
-    the drafts, walk and window updates read the same values: the output, the drafts and the pool are unchanged."""
+    """A draft forward that feeds a long context (a catch-up after many plain steps; the prompt too, where the
+    draft's prefill does not read it first): past CATCH_UP_ALL_LOGITS columns it asks for the anchor's, the
+    phrases' and the window's logits only (a [B, prompt, V] tensor was the largest allocation of a call), and
+    the drafts, walk and window updates read the same values: the output, the drafts and the pool are unchanged.
+    By default the draft's prefill reads the prompt, and the output is the same."""
+    from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.model import ModelRunner
 
     exact_dec.reset_learned()
     prompts = prompts_of(3, lens=(70, 90, 130))
     ref = exact_dec.generate_ids(prompts, "ar", 24).tokens
     opts = dict(gamma=3, schedule="static", lookahead=lookahead, govern=0)
+    prefill, read = ModelRunner.prefill, []
+
+    def reading(self, *a, **k):
+        read.append(self is exact_dec.get_draft()[1])
+        return prefill(self, *a, **k)
+
+    monkeypatch.setattr(ModelRunner, "prefill", reading)
+    assert exact_dec.generate_ids(prompts, "ouroboros", 24, **opts).tokens == ref
+    assert read.count(True) == 1  # the draft's one prompt read
+    exact_dec.reset_learned()
+    monkeypatch.setattr(DraftModelDrafter, "read_prompt", lambda self, state: None)
     forward, asked = ModelRunner.forward_tree, []
 
     def recording(self, tree, *a, logits_at=None, **k):

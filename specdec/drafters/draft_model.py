@@ -145,6 +145,7 @@ class DraftModelDrafter(Drafter):
         """Feed the committed tokens the draft has not seen (the root, and the previous step's accepted
         drafts and next token) in one forward and commit them. Returns the draft's logits ``[B,V]`` and
         (``needs_hidden``) last hidden state ``[B,H]`` at each row's root."""
+        self.read_prompt(state)
         b = state.seq.shape[0]
         dev = state.seq.device
         seen = self.seen
@@ -166,6 +167,19 @@ class DraftModelDrafter(Drafter):
         self.runner.commit(torch.arange(width, device=dev).expand(b, width), counts, True, todo)
         self.draft_calls += 1
         return logits, hidden
+
+    def read_prompt(self, state: DecodeState) -> None:
+        """Before the first catch-up of a generation (an empty draft cache), read each row's committed tokens but
+        its root with the runner's prefill, which encodes ragged prompts row by row where padding them to the
+        longest would waste most of the forward; the catch-up then feeds the roots. 16 dev prompts of 43-711
+        tokens: the draft read them in 1.37 s as one padded chain, in 0.45 s by prefill, and the first drafting
+        step paid for it. A short context (at most :data:`CATCH_UP_ALL_LOGITS`: one chain, the compiled graph) and
+        a feature-conditioned draft (its forwards read the target's states beside the tokens) are left to the
+        catch-up."""
+        if self.needs_hidden or any(self.seen) or max(state.seq_lens_host) - 1 <= CATCH_UP_ALL_LOGITS:
+            return
+        self.runner.prefill(state.padded()[:, :-1], state.seq_lens - 1)
+        self.draft_calls += 1
 
     def catch_up_inputs(self, positions: torch.Tensor) -> dict | None:
         """Extra model inputs for the catch-up nodes at ``positions [B,W]`` (none for a plain draft)."""

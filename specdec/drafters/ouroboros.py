@@ -288,7 +288,8 @@ class OuroborosDrafter(Drafter):
         probs: list[list] = [[] for _ in range(b)]
         tops: list[list[float]] = [[] for _ in range(b)]
         # The first forward feeds the committed tokens the draft has not seen (the root last) and its tree hangs
-        # off the root; later ones feed the chain's last token.
+        # off the root; later ones feed the chain's last token. A long prompt is read before, by the draft's prefill.
+        self.base.read_prompt(state)
         seen, ends = self.base.seen, state.seq_lens_host
         lo = min(seen)
         window = state.seq[:, lo: max(ends)].tolist()  # one transfer
