@@ -69,6 +69,20 @@ def test_a_dear_losing_draft_costs_at_most_its_exploration_share():
     assert lost_share(DraftGovernor(explore=0.02)) <= 0.025  # the first probe's loss included
 
 
+def test_a_probes_catch_up_counts_whole_in_its_cost():
+    # Sixteen rows, a draft that loses: a drafting step costs 2 plain steps for the same tokens, and the probe's
+    # first one also reads the prompts into the draft (20 plain steps more). The probe lost 23 plain steps, so
+    # at 2% of the decode time the next waits 23 / 0.02 = 1150 plain steps. Clipped to 3x the probe's median, as
+    # the decision clips it, the prompt read would count 4 plain steps, and the next probe would come after 360.
+    gov, kinds = DraftGovernor(), []
+    for i in range(1500):
+        k = gov.drafts(16)
+        gov.observe(k, 16, 16, (22.0 if i == 0 else 2.0) if k else 1.0)
+        kinds.append(k)
+    assert kinds[:6] == [True, False] * 3
+    assert 1100 < kinds.index(True, 6) < 1200
+
+
 def test_a_cheap_losing_draft_keeps_the_doubling_schedule():
     # One row: a drafting step costs 5% more than a plain one. Its probes lose little, so the pauses stay the
     # doubling ones and a row that starts copying its context is found as soon as before.

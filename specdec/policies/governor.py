@@ -17,12 +17,13 @@ time drafting still loses (8, 16, 32, 64 steps) and resets once it wins, so a ro
 context is found again; while drafting wins it probes again every ``refresh`` drafting steps.
 
 A probe that drafting loses costs time: its drafting steps' seconds beyond what plain steps would have taken
-for the same tokens. Where a drafting step is dear that is most of the loss, not the pause: 16 rows of `pld`
-on a Zen 3 drafted in 7% of their steps, nearly all of them probes, each as dear as 3-4 plain steps, and ran at
-0.87x `ar` (bench/RESULTS.md, Never slower). So the pause after a lost probe is also at least what keeps the
-probes' lost time under ``explore`` of the decode time (its lost seconds over ``explore`` plain steps): short
-where a draft is cheap to try (one row), long where it is dear. Rates persist across generations of one
-decoder, and so does the probe schedule, so each call does not pay to relearn them.
+for the same tokens, counted whole (its first drafting step carries a model draft's catch-up on every token it
+skipped, the prompts at the first probe). Where a drafting step is dear that is most of the loss, not the
+pause: 16 rows of `pld` on a Zen 3 drafted in 7% of their steps, nearly all of them probes, each as dear as
+3-4 plain steps, and ran at 0.87x `ar` (bench/RESULTS.md, Never slower). So the pause after a lost probe is
+also at least what keeps the probes' lost time under ``explore`` of the decode time (its lost seconds over
+``explore`` plain steps): short where a draft is cheap to try (one row), long where it is dear. Rates persist
+across generations of one decoder, and so does the probe schedule, so each call does not pay to relearn them.
 
 Every decision keeps decoding exact: a plain step is a draft of nothing.
 """
@@ -126,9 +127,12 @@ class DraftGovernor:
     def _cost_pause(self, rows: int) -> int:
         """Plain steps to wait after a probe that drafting lost over ``rows`` rows, so that its cost stays
         under ``explore`` of the decode time: the probe's drafting seconds beyond the same tokens at the probe's
-        plain rate (each drafting step's seconds clipped to 3x their median, as :meth:`rate` does), over
-        ``explore`` plain steps (their median seconds)."""
-        plain, drafting = self._clipped(rows, False, self.probe), self._clipped(rows, True, self.probe)
+        plain rate, over ``explore`` plain steps (their median seconds). The drafting seconds count whole, not
+        clipped as :meth:`rate` clips them to decide: a probe's first drafting step carries the draft's catch-up on
+        every token since the last probe (the prompts, at the first), 5-25x a plain step over 16 rows, and that is
+        what the probe cost."""
+        plain = self._clipped(rows, False, self.probe)
+        drafting = list(self._rates.get(rows, {}).get(True, ()))[-self.probe:]
         rate = self.rate(rows, False, self.probe)
         if not drafting or not rate:
             return 0
