@@ -83,6 +83,33 @@ def test_a_probes_catch_up_counts_whole_in_its_cost():
     assert 1100 < kinds.index(True, 6) < 1200
 
 
+@pytest.mark.parametrize("first_call", [5, 6])
+def test_a_probe_cut_by_the_end_of_a_call_goes_on_in_the_next(first_call):
+    # A short first call (a warm-up) ends inside the probe (5 steps) or right after it (6): the next call finishes
+    # it and pays for its lost cost, instead of deciding on the window and probing again after 8 plain steps.
+    gov = DraftGovernor()
+    first = drive(gov, first_call, lambda i, k: 0.3 if k else 1.0, rows=16)
+    gov.begin()
+    second = drive(gov, 200, lambda i, k: 0.3 if k else 1.0, rows=16)
+    assert (first + second)[:6] == [True, False] * 3
+    assert not any((first + second)[6:])
+
+
+def test_rows_finishing_do_not_restart_probes():
+    # A dear losing draft over a ragged batch: rows finish during a short first call (16 down to 9), then a long call
+    # starts at 16 rows and sheds one row every 12 steps. Each batch size it reaches holds a step or two at most;
+    # deciding as the nearest batch size with a probe's worth of steps, it keeps the first probe's pause instead of
+    # probing again at 16 and at every smaller size.
+    gov, kinds = DraftGovernor(), []
+    for calls in ([16, 16, 16, 12, 10, 9, 9, 8], [16 - i // 12 for i in range(120)]):
+        gov.begin()
+        for rows in calls:
+            k = gov.drafts(rows)
+            gov.observe(k, rows, rows, 0.3 if k else 0.1)  # a drafting step: 3x a plain one, same tokens
+            kinds.append(k)
+    assert kinds[:6] == [True, False] * 3 and not any(kinds[6:])
+
+
 def test_a_cheap_losing_draft_keeps_the_doubling_schedule():
     # One row: a drafting step costs 5% more than a plain one. Its probes lose little, so the pauses stay the
     # doubling ones and a row that starts copying its context is found as soon as before.

@@ -54,23 +54,36 @@ class DraftGovernor:
         self._rates: dict[int, dict[bool, deque]] = {}  # rows -> drafting? -> (tokens per row, seconds) of recent steps
         self._pause, self._waited, self._since_plain = pause, 0, 0
         self._hold = 0  # plain steps the last lost probe's cost asks for before the next probe
+        self._queue: list[bool] = []  # the kinds of a probe's remaining steps, last first
+        self._probed = False  # the next decision follows a probe
         self.begin()
 
     def begin(self) -> None:
-        """A new generation starts (the rates and the probe schedule carry over: a workload of short generations
-        would otherwise pay for a probe every few steps)."""
+        """A new generation starts. The rates and the probe schedule carry over (a workload of short generations
+        would otherwise pay for a probe every few steps), a probe the last generation ended inside too: dropped,
+        its steps were decided on as any window, which sets no pause for its cost, so the next probe came after
+        8 steps (an 8-token call before 128 tokens: two probes of `ouroboros` over 16 sampled rows, 15 plain steps
+        each)."""
         self.counts = {"drafting_steps": 0, "plain_steps": 0, "switches_to_plain": 0, "switches_to_drafting": 0}
-        self._queue: list[bool] = []  # the kinds of a probe's remaining steps, last first
-        self._probed = False  # the next decision follows a probe
         self._last: bool | None = None
 
     def _bucket(self, rows: int) -> dict[bool, deque]:
         if rows not in self._rates:
-            near = min(self._rates, key=lambda b: (abs(b - rows), b), default=None)
-            # Per-row rates of a nearby batch size are a fair start: both kinds scale alike with rows.
+            # Per-row rates of a nearby batch size are a fair start: both kinds scale alike with rows. The nearest
+            # that holds a probe's worth of both kinds: a batch size met only on the way down (rows finishing) holds
+            # a step or two, and starting from it would probe at every new size, whatever pause a lost probe set
+            # (three probes in one 128-token call of `ouroboros` over 16 sampled rows, each as dear as 15 plain steps).
+            near = self._full(rows)
+            if near is None:
+                near = min(self._rates, key=lambda b: (abs(b - rows), b), default=None)
             self._rates[rows] = {k: deque(self._rates[near][k] if near is not None else (), maxlen=self.window)
                                  for k in (True, False)}
         return self._rates[rows]
+
+    def _full(self, rows: int) -> int | None:
+        """The batch size nearest ``rows`` whose recent steps hold a probe's worth of both kinds (None: none)."""
+        full = [b for b, k in self._rates.items() if min(len(k[True]), len(k[False])) >= self.probe]
+        return min(full, key=lambda b: (abs(b - rows), b), default=None)
 
     def rate(self, rows: int, drafting: bool, last: int | None = None) -> float | None:
         """Tokens per second per row of the recent ``drafting`` (or plain) steps over ``rows`` rows, the ``last``
@@ -102,7 +115,10 @@ class DraftGovernor:
             return self._queue.pop()
         bucket = self._bucket(rows)
         if min(len(bucket[True]), len(bucket[False])) < self.probe:
-            return self._compare()
+            near = self._full(rows)
+            if near is None:  # nothing to go on yet
+                return self._compare()
+            rows, bucket = near, self._rates[near]  # decide as the nearest batch size with a probe's worth does
         # Right after a probe its own steps decide (timed side by side); otherwise the whole window.
         last, self._probed = (self.probe if self._probed else None), False
         if self.rate(rows, True, last) >= self.rate(rows, False, last):
