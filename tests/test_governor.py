@@ -110,6 +110,15 @@ def test_rows_finishing_do_not_restart_probes():
     assert kinds[:6] == [True, False] * 3 and not any(kinds[6:])
 
 
+def test_a_loss_at_many_rows_does_not_silence_one_row():
+    # Sixteen rows lose (a dear probe, a long pause), then one row is left, where drafting pays: 16 rows are no
+    # guide to one, so it probes at once instead of waiting out the 16-row pause.
+    gov = DraftGovernor()
+    assert not any(drive(gov, 100, lambda i, k: 0.3 if k else 1.0, rows=16)[6:])
+    one = drive(gov, 50, lambda i, k: 2.0 if k else 1.0, rows=1)
+    assert one[:6] == [True, False] * 3 and all(one[6:])
+
+
 def test_a_cheap_losing_draft_keeps_the_doubling_schedule():
     # One row: a drafting step costs 5% more than a plain one. Its probes lose little, so the pauses stay the
     # doubling ones and a row that starts copying its context is found as soon as before.

@@ -10,7 +10,8 @@ from specdec.model import ModelRunner, model_label
 from specdec.tree import DraftTree, SparseProbs
 from specdec.verify import SamplingConfig, check_logits, processed_logits
 
-# Catch-ups wider than this (a prompt, never a decoding step's accepted tokens) compute each row's last logits only.
+# Catch-ups wider than this (a prompt a draft's prefill did not read, or the tokens of many skipped plain steps; never a
+# drafting step's accepted tokens) compute each row's last logits only; a fresh draft's prompts past it are read by prefill.
 CATCH_UP_ALL_LOGITS = 64
 
 
@@ -143,7 +144,7 @@ class DraftModelDrafter(Drafter):
 
     def catch_up(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed the committed tokens the draft has not seen (the root, and the previous step's accepted
-        drafts and next token) in one forward and commit them. Returns the draft's logits ``[B,V]`` and
+        drafts and next token; a long prompt first through :meth:`read_prompt`) in one forward and commit them. Returns the draft's logits ``[B,V]`` and
         (``needs_hidden``) last hidden state ``[B,H]`` at each row's root."""
         self.read_prompt(state)
         b = state.seq.shape[0]
@@ -176,7 +177,8 @@ class DraftModelDrafter(Drafter):
         step paid for it. A short context (at most :data:`CATCH_UP_ALL_LOGITS`: one chain, the compiled graph) and
         a feature-conditioned draft (its forwards read the target's states beside the tokens) are left to the
         catch-up."""
-        if self.needs_hidden or any(self.seen) or max(state.seq_lens_host) - 1 <= CATCH_UP_ALL_LOGITS:
+        lens = state.seq_lens_host
+        if self.needs_hidden or any(self.seen) or max(lens) <= CATCH_UP_ALL_LOGITS or min(lens) < 2:
             return
         self.runner.prefill(state.padded()[:, :-1], state.seq_lens - 1)
         self.draft_calls += 1

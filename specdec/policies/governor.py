@@ -20,10 +20,16 @@ A probe that drafting loses costs time: its drafting steps' seconds beyond what 
 for the same tokens, counted whole (its first drafting step carries a model draft's catch-up on every token it
 skipped, the prompts at the first probe). Where a drafting step is dear that is most of the loss, not the
 pause: 16 rows of `pld` on a Zen 3 drafted in 7% of their steps, nearly all of them probes, each as dear as
-3-4 plain steps, and ran at 0.87x `ar` (bench/RESULTS.md, Never slower). So the pause after a lost probe is
+3-4 plain steps, and ran at 0.87x `ar` (c25e01e's never-slower table). So the pause after a lost probe is
 also at least what keeps the probes' lost time under ``explore`` of the decode time (its lost seconds over
-``explore`` plain steps): short where a draft is cheap to try (one row), long where it is dear. Rates persist
-across generations of one decoder, and so does the probe schedule, so each call does not pay to relearn them.
+``explore`` plain steps): short where a draft is cheap to try (one row), long where it is dear. Where a model
+draft's catch-up over the skipped steps alone costs more than ``explore`` of them, the pauses grow to
+``max_hold``: no pause keeps such probes cheaper, so they become rare.
+
+Rates persist across generations of one decoder, and so does the probe schedule (a probe that a generation ended
+inside goes on in the next), so each call does not pay to relearn them. A batch size met with too few steps of
+either kind (rows finishing shrink the batch a size at a time) decides as the nearest size within a factor of two
+that has a probe's worth of both, and starts from its steps; without one, it probes.
 
 Every decision keeps decoding exact: a plain step is a draft of nothing.
 """
@@ -69,20 +75,22 @@ class DraftGovernor:
 
     def _bucket(self, rows: int) -> dict[bool, deque]:
         if rows not in self._rates:
-            # Per-row rates of a nearby batch size are a fair start: both kinds scale alike with rows. The nearest
-            # that holds a probe's worth of both kinds: a batch size met only on the way down (rows finishing) holds
-            # a step or two, and starting from it would probe at every new size, whatever pause a lost probe set
-            # (three probes in one 128-token call of `ouroboros` over 16 sampled rows, each as dear as 15 plain steps).
+            # Per-row rates of a nearby batch size are a fair start (:meth:`_full`), or a nearby size's few steps (a
+            # probe going on while rows finish); without one, a probe starts it.
             near = self._full(rows)
             if near is None:
-                near = min(self._rates, key=lambda b: (abs(b - rows), b), default=None)
+                near = self._full(rows, need=0)
             self._rates[rows] = {k: deque(self._rates[near][k] if near is not None else (), maxlen=self.window)
                                  for k in (True, False)}
         return self._rates[rows]
 
-    def _full(self, rows: int) -> int | None:
-        """The batch size nearest ``rows`` whose recent steps hold a probe's worth of both kinds (None: none)."""
-        full = [b for b, k in self._rates.items() if min(len(k[True]), len(k[False])) >= self.probe]
+    def _full(self, rows: int, need: int | None = None) -> int | None:
+        """The batch size nearest ``rows``, within a factor of two, whose recent steps hold ``need`` (default: a
+        probe's worth) of both kinds (None: none). Farther sizes say little: a drafting step's cost over a plain
+        one's grows with rows."""
+        need = self.probe if need is None else need
+        full = [b for b, k in self._rates.items()
+                if min(len(k[True]), len(k[False])) >= need and rows <= 2 * b and b <= 2 * rows]
         return min(full, key=lambda b: (abs(b - rows), b), default=None)
 
     def rate(self, rows: int, drafting: bool, last: int | None = None) -> float | None:
