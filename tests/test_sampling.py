@@ -550,9 +550,9 @@ def test_ouroboros_walk_happens_and_a_planted_walk_bug_is_detected(e2e_decoder, 
     from specdec.drafters import ouroboros
 
     e2e_decoder.reset_learned()
-    for seed in (3, 4):
+    for seed in (3, 4):  # ungoverned: the walk needs drafting steps, which a governor's timings do not promise
         res = e2e_decoder.generate_ids([E2E_PROMPT] * 200, "ouroboros", E2E_NEW,
-                                       SamplingConfig(temperature=0.8, seed=seed), gamma=3, lookahead=1)
+                                       SamplingConfig(temperature=0.8, seed=seed), gamma=3, lookahead=1, govern=0)
     assert res.stats.drafter["ouroboros"]["walk_tokens"] > 50, res.stats.drafter
 
     def forced_walk(trie, picks, room, start=0):
