@@ -10,8 +10,9 @@ from specdec.model import ModelRunner, model_label
 from specdec.tree import DraftTree, SparseProbs
 from specdec.verify import SamplingConfig, check_logits, processed_logits
 
-# Catch-ups wider than this (a prompt a draft's prefill did not read, or the tokens of many skipped plain steps; never a
-# drafting step's accepted tokens) compute each row's last logits only; a fresh draft's prompts past it are read by prefill.
+# Catch-ups wider than this (a prompt a draft's prefill did not read, or the tokens of many skipped plain steps;
+# never a drafting step's accepted tokens) compute each row's last logits only; a fresh draft's longer prompts are
+# read by prefill (DraftModelDrafter.read_prompt).
 CATCH_UP_ALL_LOGITS = 64
 
 
@@ -144,8 +145,8 @@ class DraftModelDrafter(Drafter):
 
     def catch_up(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed the committed tokens the draft has not seen (the root, and the previous step's accepted
-        drafts and next token; a long prompt first through :meth:`read_prompt`) in one forward and commit them. Returns the draft's logits ``[B,V]`` and
-        (``needs_hidden``) last hidden state ``[B,H]`` at each row's root."""
+        drafts and next token; a long prompt first through :meth:`read_prompt`) in one forward and commit them.
+        Returns the draft's logits ``[B,V]`` and (``needs_hidden``) last hidden state ``[B,H]`` at each row's root."""
         self.read_prompt(state)
         b = state.seq.shape[0]
         dev = state.seq.device

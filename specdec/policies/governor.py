@@ -75,16 +75,16 @@ class DraftGovernor:
 
     def _bucket(self, rows: int) -> dict[bool, deque]:
         if rows not in self._rates:
-            # Per-row rates of a nearby batch size are a fair start (:meth:`_full`), or a nearby size's few steps (a
+            # Per-row rates of a nearby batch size are a fair start (:meth:`_near`), or a nearby size's few steps (a
             # probe going on while rows finish); without one, a probe starts it.
-            near = self._full(rows)
+            near = self._near(rows)
             if near is None:
-                near = self._full(rows, need=0)
+                near = self._near(rows, need=0)
             self._rates[rows] = {k: deque(self._rates[near][k] if near is not None else (), maxlen=self.window)
                                  for k in (True, False)}
         return self._rates[rows]
 
-    def _full(self, rows: int, need: int | None = None) -> int | None:
+    def _near(self, rows: int, need: int | None = None) -> int | None:
         """The batch size nearest ``rows``, within a factor of two, whose recent steps hold ``need`` (default: a
         probe's worth) of both kinds (None: none). Farther sizes say little: a drafting step's cost over a plain
         one's grows with rows."""
@@ -100,10 +100,15 @@ class DraftGovernor:
         seen = self._clipped(rows, drafting, last)
         return sum(n for n, _ in seen) / sum(t for _, t in seen) if seen else None
 
+    def _recent(self, rows: int, drafting: bool, last: int | None = None) -> list[tuple[float, float]]:
+        """The recent ``drafting`` (or plain) steps over ``rows`` rows as (tokens per row, seconds), the ``last``
+        ones only if given."""
+        return list(self._rates.get(rows, {}).get(drafting, ()))[-last if last else 0:]
+
     def _clipped(self, rows: int, drafting: bool, last: int | None = None) -> list[tuple[float, float]]:
         """The recent ``drafting`` (or plain) steps over ``rows`` rows (the ``last`` ones only if given) as
         (tokens per row, seconds), each step's seconds clipped to 3x their median: one slow step decides nothing."""
-        seen = list(self._rates.get(rows, {}).get(drafting, ()))[-last if last else 0:]
+        seen = self._recent(rows, drafting, last)
         if not seen:
             return []
         cap = 3 * median(t for _, t in seen)
@@ -123,7 +128,7 @@ class DraftGovernor:
             return self._queue.pop()
         bucket = self._bucket(rows)
         if min(len(bucket[True]), len(bucket[False])) < self.probe:
-            near = self._full(rows)
+            near = self._near(rows)
             if near is None:  # nothing to go on yet
                 return self._compare()
             rows, bucket = near, self._rates[near]  # decide as the nearest batch size with a probe's worth does
@@ -156,7 +161,7 @@ class DraftGovernor:
         every token since the last probe (the prompts, at the first), 5-25x a plain step over 16 rows, and that is
         what the probe cost."""
         plain = self._clipped(rows, False, self.probe)
-        drafting = list(self._rates.get(rows, {}).get(True, ()))[-self.probe:]
+        drafting = self._recent(rows, True, self.probe)
         rate = self.rate(rows, False, self.probe)
         if not drafting or not rate:
             return 0
