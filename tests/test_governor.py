@@ -95,6 +95,19 @@ def test_a_probe_cut_by_the_end_of_a_call_goes_on_in_the_next(first_call):
     assert not any((first + second)[6:])
 
 
+@pytest.mark.parametrize("pays", [False, True])
+def test_a_probe_cut_after_a_drafting_step_is_decided_without_drafting_again(pays):
+    # A call ends after the probe's second drafting step: the next call pairs it with one plain step and decides on
+    # the two pairs. Another drafting step first would read the new call's prompts into a model draft, a cost the
+    # probe was not meant to pay.
+    gov, rate = DraftGovernor(), (lambda i, k: (2.0 if pays else 0.3) if k else 1.0)
+    first = drive(gov, 3, rate, rows=16)
+    gov.begin()
+    second = drive(gov, 100, rate, rows=16)
+    assert first == [True, False, True] and second[0] is False
+    assert all(second[1:20]) if pays else not any(second[1:])
+
+
 def test_rows_finishing_do_not_restart_probes():
     # A dear losing draft over a ragged batch: rows finish during a short first call (16 down to 9), then a long call
     # starts at 16 rows and sheds one row every 12 steps. Each batch size it reaches holds a step or two at most;

@@ -27,7 +27,7 @@ draft's catch-up over the skipped steps alone costs more than ``explore`` of the
 ``max_hold``: no pause keeps such probes cheaper, so they become rare.
 
 Rates persist across generations of one decoder, and so does the probe schedule (a probe that a generation ended
-inside goes on in the next), so each call does not pay to relearn them. A batch size met with too few steps of
+inside is decided in the next from the steps it took), so each call does not pay to relearn them. A batch size met with too few steps of
 either kind (rows finishing shrink the batch a size at a time) decides as the nearest size within a factor of two
 that has a probe's worth of both, and starts from its steps; without one, it probes.
 
@@ -61,17 +61,23 @@ class DraftGovernor:
         self._pause, self._waited, self._since_plain = pause, 0, 0
         self._hold = 0  # plain steps the last lost probe's cost asks for before the next probe
         self._queue: list[bool] = []  # the kinds of a probe's remaining steps, last first
-        self._probed = False  # the next decision follows a probe
+        self._judge = 0  # the next decision follows a probe: its last steps of each kind that decide
+        self._short: dict[int, int] = {}  # rows -> the steps of each kind a probe cut short was decided on there
         self.begin()
 
     def begin(self) -> None:
         """A new generation starts. The rates and the probe schedule carry over (a workload of short generations
-        would otherwise pay for a probe every few steps), a probe the last generation ended inside too: dropped,
-        its steps were decided on as any window, which sets no pause for its cost, so the next probe came after
-        8 steps (an 8-token call before 128 tokens: two probes of `ouroboros` over 16 sampled rows, 15 plain steps
-        each)."""
+        would otherwise pay for a probe every few steps). A probe the last generation ended inside is decided from
+        the steps it took, after one plain step if that pairs its last drafting step: dropped, it set no pause for
+        its cost, so the next probe came 8 steps later (an 8-token call before 128 tokens: two probes of
+        `ouroboros` over 16 sampled rows, 15 plain steps each); carried whole, its next drafting step re-read the
+        new prompts into a model draft (16 rows of `sd` at 0.86x `ar`)."""
         self.counts = {"drafting_steps": 0, "plain_steps": 0, "switches_to_plain": 0, "switches_to_drafting": 0}
         self._last: bool | None = None
+        if self._queue:
+            drafted = self.probe - sum(self._queue)  # drafting steps the probe took (it starts with one)
+            self._queue = [False] * (drafted - (self.probe - self._queue.count(False)))
+            self._judge = drafted
 
     def _bucket(self, rows: int) -> dict[bool, deque]:
         if rows not in self._rates:
@@ -127,13 +133,15 @@ class DraftGovernor:
         if self._queue:
             return self._queue.pop()
         bucket = self._bucket(rows)
-        if min(len(bucket[True]), len(bucket[False])) < self.probe:
+        if self._judge:  # a probe cut short by the end of a call counts as a probe's worth where it was decided
+            self._short[rows] = self._judge
+        if min(len(bucket[True]), len(bucket[False])) < self._short.get(rows, self.probe):
             near = self._near(rows)
             if near is None:  # nothing to go on yet
                 return self._compare()
             rows, bucket = near, self._rates[near]  # decide as the nearest batch size with a probe's worth does
         # Right after a probe its own steps decide (timed side by side); otherwise the whole window.
-        last, self._probed = (self.probe if self._probed else None), False
+        last, self._judge = (self._judge or None), 0
         if self.rate(rows, True, last) >= self.rate(rows, False, last):
             if last:  # drafting pays again: its steps from before the probe are stale
                 fresh = list(bucket[True])[-last:]
@@ -146,23 +154,23 @@ class DraftGovernor:
                 return self._compare()
             return True
         if last:
-            self._hold = self._cost_pause(rows)
+            self._hold = self._cost_pause(rows, last)
         self._waited += 1
         if self._waited > max(self._pause, self._hold):
             self._waited, self._pause = 0, min(2 * self._pause, self.max_pause)
             return self._compare()
         return False
 
-    def _cost_pause(self, rows: int) -> int:
-        """Plain steps to wait after a probe that drafting lost over ``rows`` rows, so that its cost stays
-        under ``explore`` of the decode time: the probe's drafting seconds beyond the same tokens at the probe's
+    def _cost_pause(self, rows: int, last: int) -> int:
+        """Plain steps to wait after a probe that drafting lost over ``rows`` rows (its ``last`` steps of each
+        kind), so that its cost stays under ``explore`` of the decode time: the probe's drafting seconds beyond the same tokens at the probe's
         plain rate, over ``explore`` plain steps (their median seconds). The drafting seconds count whole, not
         clipped as :meth:`rate` clips them to decide: a probe's first drafting step carries the draft's catch-up on
         every token since the last probe (the prompts, at the first), 5-25x a plain step over 16 rows, and that is
         what the probe cost."""
-        plain = self._clipped(rows, False, self.probe)
-        drafting = self._recent(rows, True, self.probe)
-        rate = self.rate(rows, False, self.probe)
+        plain = self._clipped(rows, False, last)
+        drafting = self._recent(rows, True, last)
+        rate = self.rate(rows, False, last)
         if not drafting or not rate:
             return 0
         lost = sum(max(0.0, t - n / rate) for n, t in drafting)
@@ -172,7 +180,7 @@ class DraftGovernor:
         """Start a probe: ``probe`` drafting and plain steps, alternating (so that both kinds are timed under
         the same load, on a machine whose speed drifts), drafting first."""
         self._queue = [False, True] * self.probe  # popped from the end
-        self._probed = True
+        self._judge = self.probe
         return self._queue.pop()
 
     def observe(self, drafting: bool, rows: int, tokens: int, seconds: float) -> None:
