@@ -162,12 +162,12 @@ class DraftGovernor:
         return False
 
     def _cost_pause(self, rows: int, last: int) -> int:
-        """Plain steps to wait after a probe that drafting lost over ``rows`` rows (its ``last`` steps of each kind), so that
-        its cost stays under ``explore`` of the decode time: the probe's drafting seconds beyond the same tokens at
-        the probe's plain rate, over ``explore`` plain steps (their median seconds). The drafting seconds count
-        whole, not clipped as :meth:`rate` clips them to decide: a probe's first drafting step carries the draft's
-        catch-up on every token since the last probe (the prompts, at the first), 5-25x a plain step over 16 rows,
-        and that is what the probe cost."""
+        """Plain steps to wait after a probe that drafting lost over ``rows`` rows (its ``last`` steps of each kind),
+        so that its cost stays under ``explore`` of the decode time: the probe's drafting seconds beyond the same
+        tokens at the probe's plain rate, over ``explore`` plain steps (their median seconds). The drafting seconds
+        count whole, not clipped as :meth:`rate` clips them to decide: a probe's first drafting step carries the
+        draft's catch-up on every token since the last probe (the prompts, at the first), 5-25x a plain step over 16
+        rows, and that is what the probe cost."""
         plain = self._clipped(rows, False, last)
         drafting = self._recent(rows, True, last)
         rate = self.rate(rows, False, last)
