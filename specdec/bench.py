@@ -76,6 +76,23 @@ def _run_batch(dec: SpecDecoder, label: str, prompts: list[list[int]], max_new: 
     return res.tokens, res.stats
 
 
+@contextlib.contextmanager
+def without_eos(dec: SpecDecoder):
+    """Every row of every method, transformers' too, runs to ``max_new_tokens``: no EOS ends a row. Sampled methods
+    then emit the same number of tokens, so their rates compare (with EOS each draws its own reply lengths)."""
+    models = [dec.model] + [m for m, _ in dec.drafts.values()]
+    kept = dec.eos, [m.generation_config.eos_token_id for m in models]
+    dec.eos = set()
+    for m in models:
+        m.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        dec.eos = kept[0]
+        for m, eos in zip(models, kept[1]):
+            m.generation_config.eos_token_id = eos
+
+
 def _run_hf(dec: SpecDecoder, method: str, own: dict, prompt: list[int], max_new: int, sampling: SamplingConfig):
     if method == "hf":
         return hf_generate(dec.model, prompt, max_new, sampling)
@@ -111,7 +128,7 @@ def _prepare(dec: SpecDecoder, label: str, prompts: list[list[int]], max_new: in
 
 def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), options: dict | None = None,
-              config: dict | None = None, progress: bool = True, batch_size: int = 1) -> dict:
+              config: dict | None = None, progress: bool = True, batch_size: int = 1, ignore_eos: bool = False) -> dict:
     """Run the methods ``labels`` (``name`` or ``name:key=value:...``; plus ``hf``) over ``prompts``; return
     the bench JSON (config, runs, and the summary keyed by each label as written). ``options``: per
     method name, options that apply to all its labels (the CLI's flags); a label's own options win.
@@ -119,7 +136,12 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
     ``batch_size``: the prompts are decoded ``batch_size`` at a time, in order, each group as one ragged batch (one
     ``generate_ids`` call; ``hf`` as one left-padded ``generate`` call; ``hf-pld`` and ``hf-assisted`` prompt by
     prompt, as transformers runs them). A run then covers a group: its ``prompt_ids``, ``batch_size``, the tokens
-    of all its rows and the call's seconds, so the summary's tokens per second is the throughput over all rows."""
+    of all its rows and the call's seconds, so the summary's tokens per second is the throughput over all rows.
+
+    ``ignore_eos``: every row runs to ``max_new_tokens`` (:func:`without_eos`)."""
+    if ignore_eos:
+        with without_eos(dec):
+            return run_bench(dec, labels, prompts, max_new_tokens, sampling, options, config, progress, batch_size)
     options = options or {}
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -217,7 +239,8 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
             run["identical_to_reference"] = all(same)
             if batch_size > 1:
                 run["identical_rows"] = sum(same)
-    return {"config": {**(config or {}), "batch_size": batch_size}, "runs": runs, "summary": summarize(runs)}
+    return {"config": {**(config or {}), "batch_size": batch_size, "ignore_eos": not dec.eos},
+            "runs": runs, "summary": summarize(runs)}
 
 
 def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int, sampling: SamplingConfig,

@@ -149,7 +149,8 @@ def cmd_bench(args) -> int:
     options = {name: _method_options(args, name) for name in {parse_label(m)[0] for m in methods}}
     result = run_bench(dec, methods, prompts, args.max_new_tokens, s, options,
                        bench_config(args.model, args.draft, args.dtype, args.max_new_tokens, s, args.linear,
-                                    dec.compiled, _weights_used(dec), args.draft_weights), batch_size=args.batch_size)
+                                    dec.compiled, _weights_used(dec), args.draft_weights), batch_size=args.batch_size,
+                       ignore_eos=args.ignore_eos)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -320,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--batch-size", type=int, default=1, help="decode the prompts N at a time, in order, each group as "
                    "one ragged batch (every method; hf as one padded generate call, hf-pld and hf-assisted prompt by "
                    "prompt): tok/s is then the throughput over all rows, ms/tok the time per token a row sees")
+    b.add_argument("--ignore-eos", action="store_true", help="every row runs to --max-new-tokens, transformers' "
+                   "too: sampled methods then emit the same tokens, so their rates compare")
     b.add_argument("--threads", type=int, default=None, help="intra-op threads every method runs with (default: "
                    "torch's, from OMP_NUM_THREADS or the cores); 2 on a two-core machine is the fair setting for "
                    "pearl, which runs its target on one thread and its draft worker on the other core")

@@ -63,6 +63,34 @@ def test_run_bench_batched_rows_match_one_at_a_time():
         run_bench(dec, ["ar"], prompts, 4, progress=False, batch_size=0)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_run_bench_ignore_eos_runs_every_row_to_the_end(temperature):
+    """--ignore-eos: with the target's EOS set to a token its greedy replies emit early, every method (transformers'
+    batch and assisted generation too) still runs every row to max_new_tokens, greedy rows stay identical, and the
+    EOS ids come back after the run."""
+    from specdec.api import hf_generate
+    from specdec.verify import SamplingConfig
+
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6))
+    prompts = [Prompt(f"p{n}", "cat", prompt_of(n, seed=n)) for n in (5, 14, 9)]
+    eos = hf_generate(target, prompts[0].ids, 3, SamplingConfig())[1]
+    target.generation_config.eos_token_id, dec.eos = eos, {eos}
+    methods, sampling = ["hf-assisted", "ar", "sd", "ngrammys"], SamplingConfig(temperature=temperature, seed=0)
+    ended = run_bench(dec, methods, prompts, 12, sampling, progress=False, batch_size=2)
+    res = run_bench(dec, methods, prompts, 12, sampling, progress=False, batch_size=2, ignore_eos=True)
+
+    def tokens(result, m):
+        return sum(r["new_tokens"] for r in result["runs"] if r["method"] == m)
+    if not temperature:
+        assert tokens(ended, "hf") < 12 * len(prompts)  # EOS ends the first prompt's row early
+    assert res["config"]["ignore_eos"] and not ended["config"]["ignore_eos"]
+    assert all(tokens(res, m) == 12 * len(prompts) for m in ["hf", *methods])
+    if not temperature:
+        assert all(res["summary"][m]["identical_rate"] == 1.0 for m in res["summary"])
+    assert target.generation_config.eos_token_id == eos and dec.eos == {eos}
+
+
 def test_run_bench_rejects_unknown_or_draftless_methods():
     dec = SpecDecoder(tiny_model("llama"))
     prompts = [Prompt("p", "cat", prompt_of(4))]
