@@ -123,6 +123,20 @@ def test_rows_finishing_do_not_restart_probes():
     assert kinds[:6] == [True, False] * 3 and not any(kinds[6:])
 
 
+def test_a_probe_over_shrinking_batches_is_judged_whole_and_holds_near_its_sizes():
+    # A short call's probe ran while rows finished (16 down to 5): no batch size holds a probe's worth of steps, so
+    # its verdict decides at the sizes it ran over; the next call at 16 rows waits out its pause instead of probing
+    # again (and its first drafting step would read the new prompts into a model draft).
+    gov, kinds = DraftGovernor(), []
+    for calls in ([16, 16, 13, 12, 9, 7, 5], [16] * 100):
+        gov.begin()
+        for rows in calls:
+            k = gov.drafts(rows)
+            gov.observe(k, rows, rows, 0.3 if k else 0.1)  # a drafting step: 3x a plain one, same tokens
+            kinds.append(k)
+    assert kinds[:6] == [True, False] * 3 and not any(kinds[6:])
+
+
 def test_a_loss_at_many_rows_does_not_silence_one_row():
     # Sixteen rows lose (a dear probe, a long pause), then one row is left, where drafting pays: 16 rows are no
     # guide to one, so it probes at once instead of waiting out the 16-row pause.

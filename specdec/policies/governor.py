@@ -27,9 +27,11 @@ draft's catch-up over the skipped steps alone costs more than ``explore`` of the
 ``max_hold``: no pause keeps such probes cheaper, so they become rare.
 
 Rates persist across generations of one decoder, and so does the probe schedule (a probe that a generation ended
-inside is decided in the next from the steps it took), so each call does not pay to relearn them. A batch size met
-with too few steps of either kind (rows finishing shrink the batch a size at a time) decides as the nearest size
-within a factor of two that has a probe's worth of both, and starts from its steps; without one, it probes.
+inside is judged in the next on the steps it took), so each call does not pay to relearn them. A probe is judged on
+its own steps, whatever batch sizes they ran over. A batch size met with too few steps of either kind (rows finishing
+shrink the batch a size at a time) decides as the nearest size within a factor of two that has a probe's worth of
+both, and starts from its steps; without one, as the last probe decided where it ran over sizes within a factor of
+two; without that, it probes.
 
 Every decision keeps decoding exact: a plain step is a draft of nothing.
 """
@@ -61,23 +63,22 @@ class DraftGovernor:
         self._pause, self._waited, self._since_plain = pause, 0, 0
         self._hold = 0  # plain steps the last lost probe's cost asks for before the next probe
         self._queue: list[bool] = []  # the kinds of a probe's remaining steps, last first
-        self._judge = 0  # the next decision follows a probe: its last steps of each kind that decide
-        self._short: dict[int, int] = {}  # rows -> the steps of each kind a probe cut short was decided on there
+        self._probing = False  # the step decided last belongs to a probe
+        self._probe: list[tuple[bool, int, float, float]] = []  # the probe's steps: drafting?, rows, tokens/row, s
+        self._verdict: tuple[bool, int, int] | None = None  # the last probe's: drafting won?, fewest and most rows
         self.begin()
 
     def begin(self) -> None:
         """A new generation starts. The rates and the probe schedule carry over (a workload of short generations
-        would otherwise pay for a probe every few steps). A probe the last generation ended inside is decided from
-        the steps it took, after one plain step if that pairs its last drafting step: dropped, it set no pause for
-        its cost, so the next probe came 8 steps later (an 8-token call before 128 tokens: two probes of
-        `ouroboros` over 16 sampled rows, 15 plain steps each); carried whole, its next drafting step re-read the
-        new prompts into a model draft (16 rows of `sd` at 0.86x `ar`)."""
+        would otherwise pay for a probe every few steps). A probe the last generation ended inside is judged on the
+        steps it took, after one plain step if that pairs its last drafting step: dropped, it set no pause for its
+        cost, so the next probe came 8 steps later (an 8-token call before 128 tokens: two probes of `ouroboros`
+        over 16 sampled rows, 15 plain steps each); carried whole, its next drafting step re-read the new prompts
+        into a model draft (16 rows of `sd` at 0.86x `ar`)."""
         self.counts = {"drafting_steps": 0, "plain_steps": 0, "switches_to_plain": 0, "switches_to_drafting": 0}
         self._last: bool | None = None
-        if self._queue:
-            drafted = self.probe - sum(self._queue)  # drafting steps the probe took (it starts with one)
-            self._queue = [False] * (drafted - (self.probe - self._queue.count(False)))
-            self._judge = drafted
+        drafted = sum(k for k, *_ in self._probe)
+        self._queue = [False] * max(0, drafted - (len(self._probe) - drafted)) if self._queue else []
 
     def _bucket(self, rows: int) -> dict[bool, deque]:
         if rows not in self._rates:
@@ -99,26 +100,10 @@ class DraftGovernor:
                 if min(len(k[True]), len(k[False])) >= need and rows <= 2 * b and b <= 2 * rows]
         return min(full, key=lambda b: (abs(b - rows), b), default=None)
 
-    def rate(self, rows: int, drafting: bool, last: int | None = None) -> float | None:
-        """Tokens per second per row of the recent ``drafting`` (or plain) steps over ``rows`` rows, the ``last``
-        ones only if given (None before any): their tokens over their seconds, each step's clipped to 3x their
-        median."""
-        seen = self._clipped(rows, drafting, last)
-        return sum(n for n, _ in seen) / sum(t for _, t in seen) if seen else None
-
-    def _recent(self, rows: int, drafting: bool, last: int | None = None) -> list[tuple[float, float]]:
-        """The recent ``drafting`` (or plain) steps over ``rows`` rows as (tokens per row, seconds), the ``last``
-        ones only if given."""
-        return list(self._rates.get(rows, {}).get(drafting, ()))[-last if last else 0:]
-
-    def _clipped(self, rows: int, drafting: bool, last: int | None = None) -> list[tuple[float, float]]:
-        """The recent ``drafting`` (or plain) steps over ``rows`` rows (the ``last`` ones only if given) as
-        (tokens per row, seconds), each step's seconds clipped to 3x their median: one slow step decides nothing."""
-        seen = self._recent(rows, drafting, last)
-        if not seen:
-            return []
-        cap = 3 * median(t for _, t in seen)
-        return [(n, min(t, cap)) for n, t in seen]
+    def rate(self, rows: int, drafting: bool) -> float | None:
+        """Tokens per second per row of the recent ``drafting`` (or plain) steps over ``rows`` rows (None before
+        any): their tokens over their seconds, each step's clipped to 3x their median."""
+        return _rate(list(self._rates.get(rows, {}).get(drafting, ())))
 
     def drafts(self, rows: int) -> bool:
         """Whether the next step over ``rows`` rows drafts."""
@@ -130,64 +115,98 @@ class DraftGovernor:
         return kind
 
     def _decide(self, rows: int) -> bool:
-        if self._queue:
+        self._probing = bool(self._queue)
+        if self._probing:
             return self._queue.pop()
+        if self._probe:  # a probe just ended: its own steps decide (timed side by side)
+            return self._follow(self._judge(rows))
         bucket = self._bucket(rows)
-        if self._judge:  # a probe cut short by the end of a call counts as a probe's worth where it was decided
-            self._short[rows] = self._judge
-        if min(len(bucket[True]), len(bucket[False])) < self._short.get(rows, self.probe):
+        if min(len(bucket[True]), len(bucket[False])) < self.probe:
             near = self._near(rows)
-            if near is None:  # nothing to go on yet
+            if near is not None:  # decide as the nearest batch size with a probe's worth does
+                rows = near
+            elif self._verdict is not None and self._verdict[1] <= 2 * rows and rows <= 2 * self._verdict[2]:
+                return self._follow(self._verdict[0])  # the last probe ran over batch sizes near this one
+            else:  # nothing to go on yet
                 return self._compare()
-            rows, bucket = near, self._rates[near]  # decide as the nearest batch size with a probe's worth does
-        # Right after a probe its own steps decide (timed side by side); otherwise the whole window.
-        last, self._judge = (self._judge or None), 0
-        if self.rate(rows, True, last) >= self.rate(rows, False, last):
-            if last:  # drafting pays again: its steps from before the probe are stale
-                fresh = list(bucket[True])[-last:]
-                bucket[True].clear()
-                bucket[True].extend(fresh)
+        return self._follow(self.rate(rows, True) >= self.rate(rows, False))
+
+    def _follow(self, drafting: bool | None) -> bool:
+        """The step after deciding whether ``drafting`` wins (None: no evidence, probe): draft, or wait out the
+        pause, or probe again once the pause or the refresh interval is over."""
+        if drafting is None:
+            return self._compare()
+        if drafting:
             self._pause, self._waited, self._hold = self.pause, 0, 0
             self._since_plain += 1
             if self._since_plain > self.refresh:
                 self._since_plain = 0
                 return self._compare()
             return True
-        if last:
-            self._hold = self._cost_pause(rows, last)
         self._waited += 1
         if self._waited > max(self._pause, self._hold):
             self._waited, self._pause = 0, min(2 * self._pause, self.max_pause)
             return self._compare()
         return False
 
-    def _cost_pause(self, rows: int, last: int) -> int:
-        """Plain steps to wait after a probe that drafting lost over ``rows`` rows (its ``last`` steps of each kind),
-        so that its cost stays under ``explore`` of the decode time: the probe's drafting seconds beyond the same
-        tokens at the probe's plain rate, over ``explore`` plain steps (their median seconds). The drafting seconds
-        count whole, not clipped as :meth:`rate` clips them to decide: a probe's first drafting step carries the
-        draft's catch-up on every token since the last probe (the prompts, at the first), 5-25x a plain step over 16
-        rows, and that is what the probe cost."""
-        plain = self._clipped(rows, False, last)
-        drafting = self._recent(rows, True, last)
-        rate = self.rate(rows, False, last)
-        if not drafting or not rate:
-            return 0
+    def _judge(self, rows: int) -> bool | None:
+        """Whether drafting won the probe that just ended (None: it lacks a step of either kind), on its own steps
+        whatever batch sizes they ran over (rows finish during a probe); sets the pause its cost asks for."""
+        steps, self._probe = self._probe, []
+        drafting = [(n, t) for k, _, n, t in steps if k]
+        plain = [(n, t) for k, _, n, t in steps if not k]
+        if not drafting or not plain:
+            return None
+        wins = _rate(drafting) >= _rate(plain)
+        self._verdict = (wins, min(r for _, r, *_ in steps), max(r for _, r, *_ in steps))
+        if wins:  # drafting pays again: the steps from before the probe are stale
+            bucket = self._bucket(rows)[True]
+            bucket.clear()
+            bucket.extend(drafting)
+        else:
+            self._hold = self._cost_pause(drafting, plain)
+        return wins
+
+    def _cost_pause(self, drafting: list[tuple[float, float]], plain: list[tuple[float, float]]) -> int:
+        """Plain steps to wait after a probe that drafting lost (its steps of each kind as (tokens per row,
+        seconds)), so that its cost stays under ``explore`` of the decode time: the probe's drafting seconds beyond
+        the same tokens at the probe's plain rate, over ``explore`` plain steps (their median seconds). The drafting
+        seconds count whole, not clipped as the decision clips them: a probe's first drafting step carries the
+        draft's catch-up on every token since the last probe (the prompts, at the first), 5-25x a plain step over
+        16 rows, and that is what the probe cost."""
+        rate = _rate(plain)
         lost = sum(max(0.0, t - n / rate) for n, t in drafting)
-        return min(self.max_hold, math.ceil(lost / (self.explore * median(t for _, t in plain))))
+        return min(self.max_hold, math.ceil(lost / (self.explore * median(t for _, t in _clip(plain)))))
 
     def _compare(self) -> bool:
         """Start a probe: ``probe`` drafting and plain steps, alternating (so that both kinds are timed under
         the same load, on a machine whose speed drifts), drafting first."""
         self._queue = [False, True] * self.probe  # popped from the end
-        self._judge = self.probe
+        self._probing, self._probe = True, []
         return self._queue.pop()
 
     def observe(self, drafting: bool, rows: int, tokens: int, seconds: float) -> None:
         """A step over ``rows`` rows that drafted (or not) emitted ``tokens`` in ``seconds`` of wall time."""
         if rows > 0 and seconds > 0:
             self._bucket(rows)[drafting].append((tokens / rows, seconds))
+            if self._probing:
+                self._probe.append((drafting, rows, tokens / rows, seconds))
 
     def summary(self) -> dict:
         """Steps of each kind and switches between them in this generation (JSON-serialisable)."""
         return dict(self.counts)
+
+
+def _clip(steps: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Steps as (tokens per row, seconds), each step's seconds clipped to 3x their median: one slow step decides
+    nothing."""
+    if not steps:
+        return []
+    cap = 3 * median(t for _, t in steps)
+    return [(n, min(t, cap)) for n, t in steps]
+
+
+def _rate(steps: list[tuple[float, float]]) -> float | None:
+    """Tokens per row per second of ``steps`` (None: no steps): their tokens over their clipped seconds."""
+    seen = _clip(steps)
+    return sum(n for n, _ in seen) / sum(t for _, t in seen) if seen else None
