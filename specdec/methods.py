@@ -281,6 +281,7 @@ class Built:
     drafter: Drafter | None = None
     policy: LengthPolicy | None = None
     loop: OwnLoop | None = None
+    governor: dict = dataclasses.field(default_factory=dict)  # options of its DraftGovernor, where one governs it
 
     def __post_init__(self):
         if (self.drafter is None) == (self.loop is None):
@@ -533,7 +534,8 @@ def _build_pearl(dec: BuildContext, o: PearlOptions, sampling: SamplingConfig):
     largest = o.gamma if o.window == "fixed" else o.max_gamma
     positions = getattr(draft.config.get_text_config(), "max_position_embeddings", None)
     return Built(loop=PearlDecoding(lambda: dec.draft_backend(name, o.backend), make_window, largest,
-                                    bool(o.pre_verify), bool(o.post_verify), o.proposal_topk, positions))
+                                    bool(o.pre_verify), bool(o.post_verify), o.proposal_topk, positions),
+                 governor={"blocks": True})  # a round's window is verified by the next round
 
 
 def one_thread_cost(dec: BuildContext) -> StepCost:

@@ -186,6 +186,8 @@ def pearl_generate(
     rounds = _Rounds()
     while not all(out.done):
         round_start = time.perf_counter()
+        # a round that verifies a concurrent window's drafts harvests that round's work: timed as drafting
+        harvests = any(pending)
         concurrent = governor is None or governor.drafts(len(live))
         if cores is not None:
             cores.shared() if concurrent else cores.alone()
@@ -306,7 +308,7 @@ def pearl_generate(
         window.observe(tested_all, accepted_all, win.seconds if win and not first_window else None,
                        win.forwards if win else 0, target_seconds if b == 1 and concurrent else None, nodes)
         if governor is not None:
-            governor.observe(concurrent, b, emitted_all, time.perf_counter() - round_start)
+            governor.observe(concurrent or harvests, b, emitted_all, time.perf_counter() - round_start)
         live, kept = leave_batch(live, out.done, target, state, draft)
         if kept is not None:  # later rounds compute only the rows still generating
             pending, pending_q, fed = ([x[r] for r in kept] for x in (pending, pending_q, fed))

@@ -257,6 +257,47 @@ def test_pearl_prefills_and_plain_rounds_on_every_thread(monkeypatch):
     assert seen["forward_tree"] == {1, 3}  # drafting rounds on one thread, plain ones on all three
 
 
+def test_block_probes_draft_then_go_plain():
+    # blocks: 3 drafting steps, then 4 plain ones (the loop may count the first as drafting); then as always
+    gov = DraftGovernor(blocks=True)
+    kinds = drive(gov, 100, lambda i, k: 0.3 if k else 1.0, rows=16)
+    assert kinds[:7] == [True] * 3 + [False] * 4 and not any(kinds[7:])
+    gov = DraftGovernor(blocks=True)
+    assert all(drive(gov, 100, lambda i, k: 2.0 if k else 1.0, rows=16)[7:])
+
+
+class Recording(Scripted):
+    """A scripted governor that keeps what each step was decided and observed as."""
+
+    def begin(self) -> None:
+        super().begin()
+        self.decided, self.observed = [], []
+
+    def drafts(self, rows: int) -> bool:
+        kind = super().drafts(rows)
+        self.decided.append(kind)
+        return kind
+
+    def observe(self, drafting: bool, rows: int, tokens: int, seconds: float) -> None:
+        self.observed.append(drafting)
+
+
+def test_pearl_times_a_round_that_verifies_a_windows_drafts_as_drafting():
+    """A PEARL round's window is verified by the next round, so a plain round right after a drafting one harvests
+    the drafting round's work and is timed as drafting (alternating probes had credited it to plain rounds: 64 rows
+    drafted in 98% of their rounds at 0.74x `ar`); PEARL's learned governor probes in blocks."""
+    dec = decoder("llama")
+    gov = Recording("ddpp")
+    dec.generate_ids([prompt_of(9, seed=1), prompt_of(4, seed=2)], "pearl", 24, GREEDY, governor=gov,
+                     backend="inline", window="fixed", gamma=2)
+    pairs = list(zip(gov.decided, gov.observed))
+    assert (False, True) in pairs and (False, False) in pairs  # harvesting and plain rounds
+    assert all(o for d, o in pairs if d)
+    assert all(not o or gov.decided[i - 1] for i, (d, o) in enumerate(pairs) if not d)  # right after drafting
+    dec.generate_ids([prompt_of(9, seed=1)], "pearl", 4, GREEDY, backend="inline")
+    assert [g.blocks for k, g in dec._learned.items() if k[0] == "governor" and k[1] == "pearl"] == [True]
+
+
 def test_govern_option_turns_it_off():
     dec = decoder("llama")
     prompt = prompt_of(12)

@@ -48,17 +48,19 @@ class DraftGovernor:
     probe: steps of each kind in one probe; pause: plain steps before drafting is tried again (doubling
     to ``max_pause`` while it keeps losing); explore: the share of decode time a lost probe may cost (the pause
     after one is long enough for that, up to ``max_hold`` steps); refresh: drafting steps between re-timings of
-    plain steps; window: steps kept per kind and batch size.
+    plain steps; window: steps kept per kind and batch size; blocks: probe with ``probe`` drafting steps, then
+    ``probe + 1`` plain ones, instead of alternating, for a loop whose step hands work to the next (a PEARL round's
+    window is verified by the next round: that loop counts the plain step that harvests it as drafting).
     """
 
     def __init__(self, probe: int = 3, pause: int = 8, max_pause: int = 64, refresh: int = 128, window: int = 8,
-                 explore: float = 0.02, max_hold: int = 4096):
+                 explore: float = 0.02, max_hold: int = 4096, blocks: bool = False):
         if min(probe, pause, refresh, window) < 1 or max_pause < pause or max_hold < max_pause:
             raise ValueError("probe, pause, refresh and window must be >= 1 and pause <= max_pause <= max_hold")
         if not 0 < explore <= 1:
             raise ValueError(f"explore must lie in (0, 1], got {explore}")
         self.probe, self.pause, self.max_pause, self.refresh, self.window = probe, pause, max_pause, refresh, window
-        self.explore, self.max_hold = explore, max_hold
+        self.explore, self.max_hold, self.blocks = explore, max_hold, blocks
         self._rates: dict[int, dict[bool, deque]] = {}  # rows -> drafting? -> (tokens per row, seconds) of recent steps
         self._pause, self._waited, self._since_plain = pause, 0, 0
         self._hold = 0  # plain steps the last lost probe's cost asks for before the next probe
@@ -180,8 +182,9 @@ class DraftGovernor:
 
     def _compare(self) -> bool:
         """Start a probe: ``probe`` drafting and plain steps, alternating (so that both kinds are timed under
-        the same load, on a machine whose speed drifts), drafting first."""
-        self._queue = [False, True] * self.probe  # popped from the end
+        the same load, on a machine whose speed drifts), drafting first; or in blocks (``blocks``)."""
+        # popped from the end
+        self._queue = [False] * (self.probe + 1) + [True] * self.probe if self.blocks else [False, True] * self.probe
         self._probing, self._probe = True, []
         return self._queue.pop()
 
