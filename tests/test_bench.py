@@ -187,7 +187,7 @@ def test_soak_watches_memory_speed_and_workers():
     and PEARL's worker process is gone after its run."""
     import time
 
-    from bench.soak import quarters, soak, workers
+    from bench.soak import judge, quarters, soak, workers
 
     target = tiny_model("llama")
     dec = SpecDecoder(target, draft=perturbed(target, 0.6))
@@ -203,6 +203,8 @@ def test_soak_watches_memory_speed_and_workers():
     # a slowdown reads against ar's in the same run: steady where ar slowed down as much
     run = soak(dec, "ar", prompts, 96, seed=0, every=0.0005, reference=0.5)
     assert run["speed_vs_ar"] == round(run["speed_ratio"] / 0.5, 3)
+    assert judge({**run, "speed_ratio": 0.44, "rss_growth": 0.0}, 0.44)["ok"]  # slowing down as ar does is steady
+    assert not judge({**run, "speed_ratio": 0.44, "rss_growth": 0.0}, None)["ok"]
     dec.close()
     time.sleep(1.0)
     assert len(workers()) == before
