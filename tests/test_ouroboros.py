@@ -242,7 +242,8 @@ def test_a_long_prompt_computes_only_the_logits_the_walk_reads(exact_dec, monkey
         return prefill(self, *a, **k)
 
     monkeypatch.setattr(ModelRunner, "prefill", reading)
-    assert exact_dec.generate_ids(prompts, "ouroboros", 24, **opts).tokens == ref
+    first = exact_dec.generate_ids(prompts, "ouroboros", 24, **opts)
+    assert first.tokens == ref
     assert read.count(True) == 1  # the draft's one prompt read
     exact_dec.reset_learned()
     monkeypatch.setattr(DraftModelDrafter, "read_prompt", lambda self, state: None)
@@ -257,6 +258,9 @@ def test_a_long_prompt_computes_only_the_logits_the_walk_reads(exact_dec, monkey
     res = exact_dec.generate_ids(prompts, "ouroboros", 24, **opts)
     assert res.tokens == ref
     assert asked and all(n < t for t, n in asked)  # fewer columns than the forward's nodes
+    # the prefill's read drafts as the chain's does: the same drafts, acceptances, walk and pool
+    assert (first.stats.drafted_tokens, first.stats.accepted_tokens, first.stats.drafter["ouroboros"]) == (
+        res.stats.drafted_tokens, res.stats.accepted_tokens, res.stats.drafter["ouroboros"])
     exact_dec.reset_learned()
     monkeypatch.setattr(ouroboros, "CATCH_UP_ALL_LOGITS", 10**6)  # every column's logits, as before
     full = exact_dec.generate_ids(prompts, "ouroboros", 24, **opts)
