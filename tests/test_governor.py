@@ -108,18 +108,25 @@ def test_a_probe_cut_after_a_drafting_step_is_decided_without_drafting_again(pay
     assert all(second[1:20]) if pays else not any(second[1:])
 
 
+def losing_calls(calls: list[list[int]]) -> list[bool]:
+    """One governor over calls whose steps run over the given rows, a drafting step 3x a plain one for the same
+    tokens: the kinds it chose."""
+    gov, kinds = DraftGovernor(), []
+    for rows_of_steps in calls:
+        gov.begin()
+        for rows in rows_of_steps:
+            k = gov.drafts(rows)
+            gov.observe(k, rows, rows, 0.3 if k else 0.1)
+            kinds.append(k)
+    return kinds
+
+
 def test_rows_finishing_do_not_restart_probes():
     # A dear losing draft over a ragged batch: rows finish during a short first call (16 down to 9), then a long call
     # starts at 16 rows and sheds one row every 12 steps. Each batch size it reaches holds a step or two at most;
     # deciding as the nearest batch size with a probe's worth of steps, it keeps the first probe's pause instead of
     # probing again at 16 and at every smaller size.
-    gov, kinds = DraftGovernor(), []
-    for calls in ([16, 16, 16, 12, 10, 9, 9, 8], [16 - i // 12 for i in range(120)]):
-        gov.begin()
-        for rows in calls:
-            k = gov.drafts(rows)
-            gov.observe(k, rows, rows, 0.3 if k else 0.1)  # a drafting step: 3x a plain one, same tokens
-            kinds.append(k)
+    kinds = losing_calls([[16, 16, 16, 12, 10, 9, 9, 8], [16 - i // 12 for i in range(120)]])
     assert kinds[:6] == [True, False] * 3 and not any(kinds[6:])
 
 
@@ -127,13 +134,7 @@ def test_a_probe_over_shrinking_batches_is_judged_whole_and_holds_near_its_sizes
     # A short call's probe ran while rows finished (16 down to 5): no batch size holds a probe's worth of steps, so
     # its verdict decides at the sizes it ran over; the next call at 16 rows waits out its pause instead of probing
     # again (and its first drafting step would read the new prompts into a model draft).
-    gov, kinds = DraftGovernor(), []
-    for calls in ([16, 16, 13, 12, 9, 7, 5], [16] * 100):
-        gov.begin()
-        for rows in calls:
-            k = gov.drafts(rows)
-            gov.observe(k, rows, rows, 0.3 if k else 0.1)  # a drafting step: 3x a plain one, same tokens
-            kinds.append(k)
+    kinds = losing_calls([[16, 16, 13, 12, 9, 7, 5], [16] * 100])
     assert kinds[:6] == [True, False] * 3 and not any(kinds[6:])
 
 
