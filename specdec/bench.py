@@ -82,10 +82,10 @@ def without_eos(dec: SpecDecoder):
     then emit the same number of tokens, so their rates compare (with EOS each draws its own reply lengths)."""
     models = [dec.model] + [m for m, _ in dec.drafts.values()]
     kept = dec.eos, [m.generation_config.eos_token_id for m in models]
-    dec.eos = set()
-    for m in models:
-        m.generation_config.eos_token_id = None
     try:
+        dec.eos = set()
+        for m in models:
+            m.generation_config.eos_token_id = None
         yield
     finally:
         dec.eos = kept[0]
@@ -141,7 +141,9 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
     ``ignore_eos``: every row runs to ``max_new_tokens`` (:func:`without_eos`)."""
     if ignore_eos:
         with without_eos(dec):
-            return run_bench(dec, labels, prompts, max_new_tokens, sampling, options, config, progress, batch_size)
+            out = run_bench(dec, labels, prompts, max_new_tokens, sampling, options, config, progress, batch_size)
+        out["config"]["ignore_eos"] = True
+        return out
     options = options or {}
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -239,7 +241,7 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
             run["identical_to_reference"] = all(same)
             if batch_size > 1:
                 run["identical_rows"] = sum(same)
-    return {"config": {**(config or {}), "batch_size": batch_size, "ignore_eos": not dec.eos},
+    return {"config": {**(config or {}), "batch_size": batch_size, "ignore_eos": False},
             "runs": runs, "summary": summarize(runs)}
 
 

@@ -179,6 +179,8 @@ def pearl_generate(
     b, dev = len(prompts), state.seq.device
     live = list(range(b))  # batch row -> prompt: finished rows leave the batch after their round
     draft.begin(b, state.seq.shape[1] + gmax, gmax, sampling, proposal_topk)
+    if governor is not None:
+        governor.begin()
     pending: list[list[int]] = [[] for _ in range(b)]
     pending_q: list[SparseProbs | None] = [None] * b  # [1, m, k] proposals of the pending drafts (sampling)
     fed = [0] * b  # draft cache positions that hold the row's tokens
@@ -186,8 +188,9 @@ def pearl_generate(
     rounds = _Rounds()
     while not all(out.done):
         round_start = time.perf_counter()
-        # a round that verifies a concurrent window's drafts harvests that round's work: timed as drafting
-        harvests = any(pending)
+        # a round that verifies a concurrent window's drafts harvests that round's work: timed as drafting where
+        # the governor probes in blocks (alternating probes would then time no plain round)
+        harvests = governor is not None and governor.blocks and any(pending)
         concurrent = governor is None or governor.drafts(len(live))
         if cores is not None:
             cores.shared() if concurrent else cores.alone()

@@ -289,6 +289,7 @@ def test_pearl_times_a_round_that_verifies_a_windows_drafts_as_drafting():
     drafted in 98% of their rounds at 0.74x `ar`); PEARL's learned governor probes in blocks."""
     dec = decoder("llama")
     gov = Recording("ddpp")
+    gov.blocks = True
     dec.generate_ids([prompt_of(9, seed=1), prompt_of(4, seed=2)], "pearl", 24, GREEDY, governor=gov,
                      backend="inline", window="fixed", gamma=2)
     pairs = list(zip(gov.decided, gov.observed))
@@ -297,6 +298,18 @@ def test_pearl_times_a_round_that_verifies_a_windows_drafts_as_drafting():
     assert all(not o or gov.decided[i - 1] for i, (d, o) in enumerate(pairs) if not d)  # right after drafting
     dec.generate_ids([prompt_of(9, seed=1)], "pearl", 4, GREEDY, backend="inline")
     assert [g.blocks for k, g in dec._learned.items() if k[0] == "governor" and k[1] == "pearl"] == [True]
+
+
+def test_pearl_begins_each_call_with_its_governor():
+    """Each call starts the governor's generation (its counts are the call's own rounds; a probe cut by the end of
+    the last call is judged, not carried on into new prompts)."""
+    dec = decoder("llama")
+    gov = DraftGovernor(blocks=True)
+    for n in (5, 20):
+        out = dec.generate_ids([prompt_of(9, seed=1), prompt_of(4, seed=2)], "pearl", n, GREEDY, governor=gov,
+                               backend="inline", window="fixed", gamma=2)
+        counts = out.stats.drafter["governor"]
+        assert counts["drafting_steps"] + counts["plain_steps"] == out.stats.drafter["pearl"]["rounds"]
 
 
 def test_govern_option_turns_it_off():

@@ -73,7 +73,7 @@ class DraftGovernor:
     def begin(self) -> None:
         """A new generation starts. The rates and the probe schedule carry over (a workload of short generations
         would otherwise pay for a probe every few steps). A probe the last generation ended inside is judged on the
-        steps it took, after one plain step if that pairs its last drafting step: dropped, it set no pause for its
+        steps it took, after the plain steps that pair its drafting steps (one at most, but in ``blocks``): dropped, it set no pause for its
         cost, so the next probe came 8 steps later (an 8-token call before 128 tokens: two probes of `ouroboros`
         over 16 sampled rows, 15 plain steps each); carried whole, its next drafting step re-read the new prompts
         into a model draft (16 rows of `sd` at 0.86x `ar`)."""
