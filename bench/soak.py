@@ -142,12 +142,12 @@ def main() -> None:
 
     from specdec import methods as registry
     from specdec.api import SpecDecoder
+    from specdec.bench import without_eos
     from specdec.bench_summary import cpu_name
     from specdec.prompts import read_prompts
 
     dec = SpecDecoder(args.model, draft=args.draft, dtype=args.dtype, compile=args.compile)
     dec.wait_compiled()
-    dec.eos = set()  # every row runs to --max-new-tokens
     labels = args.methods.split(",") if args.methods else [
         m for m in registry.names() if args.draft is not None or not registry.get(m).needs_draft]
     prompts = [p.ids for p in read_prompts(args.prompts, dec)[: args.batch_size]]
@@ -156,15 +156,17 @@ def main() -> None:
                       "threads": __import__("torch").get_num_threads()}, "runs": []}
     labels = sorted(labels, key=lambda m: m != "ar")  # ar first: the others' slowdowns read against its own
     reference = None
-    for label in labels:
-        run = soak(dec, label, prompts, args.max_new_tokens, args.seed, args.every, reference)
-        if label == "ar":  # the reference: steady against itself
-            reference = judge(run, run["speed_ratio"])["speed_ratio"]
-        out["runs"].append(run)
-        print(f"{label:<12} {run['new_tokens']:>7} tokens {run['seconds']:>8.1f} s  speed last/first quarter "
-              f"{run['speed_ratio']} (over ar's {run['speed_vs_ar']})  RSS {run['rss_after_first_quarter_mb']} -> {run['rss_end_mb']} MB "
-              f"({100 * run['rss_growth']:+.1f}%)  workers {run['workers']}  {'ok' if run['ok'] else 'FAIL'}", flush=True)
-        write(out, args.json)  # after every method: a long soak keeps what it measured
+    with without_eos(dec):  # every row runs to --max-new-tokens
+        for label in labels:
+            run = soak(dec, label, prompts, args.max_new_tokens, args.seed, args.every, reference)
+            if label == "ar":  # the reference: steady against itself
+                reference = judge(run, run["speed_ratio"])["speed_ratio"]
+            out["runs"].append(run)
+            print(f"{label:<12} {run['new_tokens']:>7} tokens {run['seconds']:>8.1f} s  speed last/first quarter "
+                  f"{run['speed_ratio']} (over ar's {run['speed_vs_ar']})  "
+                  f"RSS {run['rss_after_first_quarter_mb']} -> {run['rss_end_mb']} MB "
+                  f"({100 * run['rss_growth']:+.1f}%)  workers {run['workers']}  {'ok' if run['ok'] else 'FAIL'}", flush=True)
+            write(out, args.json)  # after every method: a long soak keeps what it measured
     dec.close()
     time.sleep(1.0)
     out["workers_left_after_close"] = len(workers())
