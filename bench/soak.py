@@ -107,11 +107,13 @@ def soak(dec, method: str, prompts: list[list[int]], max_new: int, seed: int, ev
     dec.generate_ids(prompts[:1], name, 8, sampling, **own)  # warm-up: first-call initialisation, not the soak's
     start = max(len(p) for p in prompts)
     dec.runner.release()  # no lengths left from the warm-up: progress starts at 0
+    rss_start = rss()
     with Monitor(dec.runner, every) as mon:
         res = dec.generate_ids(prompts, name, max_new, sampling, **own)
     time.sleep(1.0)
     out = {"method": method, "rows": len(prompts), "new_tokens": sum(len(t) for t in res.tokens),
-           "seconds": round(mon.samples[-1][0], 2), "samples": len(mon.samples),
+           "seconds": round(mon.samples[-1][0], 2), "samples": len(mon.samples), "rss_start_mb": round(rss_start / 1e6, 1),
+           "target_cache_mb": round(dec.runner.cache_bytes() / 1e6, 1),
            **quarters(mon.samples, start), "workers": len(workers())}
     return judge(out, reference)
 
@@ -164,7 +166,7 @@ def main() -> None:
             out["runs"].append(run)
             print(f"{label:<12} {run['new_tokens']:>7} tokens {run['seconds']:>8.1f} s  speed last/first quarter "
                   f"{run['speed_ratio']} (over ar's {run['speed_vs_ar']})  "
-                  f"RSS {run['rss_after_first_quarter_mb']} -> {run['rss_end_mb']} MB "
+                  f"RSS {run['rss_start_mb']} | {run['rss_after_first_quarter_mb']} -> {run['rss_end_mb']} MB "
                   f"({100 * run['rss_growth']:+.1f}%)  workers {run['workers']}  {'ok' if run['ok'] else 'FAIL'}", flush=True)
             write(out, args.json)  # after every method: a long soak keeps what it measured
     dec.close()
