@@ -357,7 +357,8 @@ class SpecDecoder:
         return memory.CallShape(
             self.model, self.get_draft(getattr(opts, "draft", None))[0] if spec.needs_draft else None,
             0 if built is None else built.margin(max_new_tokens), max_new_tokens,
-            memory.sampling_copies(sampling), built is not None and built.needs_hidden)
+            memory.sampling_copies(sampling), built is not None and built.needs_hidden,
+            None if built is None else built.draft_nodes)
 
     def _fit(self, shape: "memory.CallShape", lens: list[int], max_memory, chunk: bool):
         """The row ranges to run (one, or chunks that fit) and each one's estimated bytes."""

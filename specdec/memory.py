@@ -123,8 +123,8 @@ class MemoryEstimate:
 @dataclass
 class CallShape:
     """What a call's memory depends on besides its rows: the models, the largest draft tree (nodes, root
-    included; 0 for autoregressive decoding, which keeps no margin) and whether the drafter reads the target's
-    hidden states."""
+    included; 0 for autoregressive decoding, which keeps no margin), whether the drafter reads the target's
+    hidden states, and the draft model's own widest tree."""
 
     target: torch.nn.Module
     draft: torch.nn.Module | None
@@ -132,6 +132,9 @@ class CallShape:
     max_new_tokens: int
     sampling_copies: float
     needs_hidden: bool = False
+    # Nodes the draft model's own forwards grow past the longest sequence (a tree or lookahead window in its
+    # pending region; 0 for a chain); None: as many as the target's tree (a method running its own loop).
+    draft_nodes: int | None = None
 
 
 def estimate(shape: CallShape, prompt_lens: list[int]) -> MemoryEstimate:
@@ -143,8 +146,12 @@ def estimate(shape: CallShape, prompt_lens: list[int]) -> MemoryEstimate:
     size, per_token = _forward_bytes(shape.target)
     layers, _, _, hidden, inter, vocab = _dims(cfg)
     parts = {"target KV": kv_cache_bytes(cfg, b, seq + shape.tree_nodes, dtype)}
+    draft_nodes = shape.tree_nodes if shape.draft_nodes is None else shape.draft_nodes
     if shape.draft is not None:
-        parts["draft KV"] = kv_cache_bytes(shape.draft.config, b, seq + shape.tree_nodes + 8, shape.draft.dtype)
+        from specdec.drafters.draft_model import DRAFT_CACHE_SLACK
+
+        parts["draft KV"] = kv_cache_bytes(shape.draft.config, b, seq + draft_nodes + DRAFT_CACHE_SLACK,
+                                           shape.draft.dtype)
     # Ragged prompts are encoded one row per forward where padding would waste work (ModelRunner.prefill).
     rows = 1 if _rowwise_prefill(prompt_lens) else b
     prefill = int(per_token * rows * longest)
@@ -154,7 +161,7 @@ def estimate(shape: CallShape, prompt_lens: list[int]) -> MemoryEstimate:
     logits = b * t * vocab
     copies = shape.sampling_copies + (0 if size == 4 else 1)  # half-precision logits are widened once
     step = logits * size + int(copies * logits * 4) + int(per_token * b * t)
-    transient = max(prefill, step, _draft_transient(shape.draft, b, longest, t))
+    transient = max(prefill, step, _draft_transient(shape.draft, b, longest, max(t, draft_nodes)))
     if shape.tree_nodes and b > 1:  # before the call's caches exist: StepCost.ensure_batch's own run
         transient = max(transient, _calibration_bytes(shape.target, b, per_token) - sum(parts.values()))
     parts["transient"] = transient

@@ -294,6 +294,12 @@ class Built:
         """Whether the draft reads the target's hidden states (the target then returns them)."""
         return (self.loop if self.loop is not None else self.drafter).needs_hidden
 
+    @property
+    def draft_nodes(self) -> int | None:
+        """Nodes past the longest sequence that the draft model's own forwards grow (:attr:`Drafter.draft_nodes`;
+        None for a loop of its own)."""
+        return None if self.drafter is None else self.drafter.draft_nodes
+
     def margin(self, max_new_tokens: int) -> int:
         """Cache room past the longest sequence for one step's drafts."""
         if self.loop is not None:

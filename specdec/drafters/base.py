@@ -27,6 +27,9 @@ class Drafter:
     needs_hidden: bool = False
     per_node: bool = False
     keeps_rows: bool = False  # implements keep_rows: the decode loop may then drop finished rows from the batch
+    # Nodes past the longest sequence that the drafter's own draft model grows in its pending region (0: a chain or
+    # no draft model); its cache keeps them and DRAFT_CACHE_SLACK more (the memory estimate reads it).
+    draft_nodes: int = 0
 
     def begin(self, state: DecodeState) -> None:
         self.draft_calls = 0

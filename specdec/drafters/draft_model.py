@@ -14,6 +14,8 @@ from specdec.verify import SamplingConfig, check_logits, processed_logits
 # never a drafting step's accepted tokens) compute each row's last logits only; a fresh draft's longer prompts are
 # read by prefill (DraftModelDrafter.read_prompt).
 CATCH_UP_ALL_LOGITS = 64
+# Draft cache room past the longest sequence beyond the nodes a drafter reserves (a chain's tokens).
+DRAFT_CACHE_SLACK = 8
 
 
 class DraftModelDrafter(Drafter):
@@ -49,10 +51,15 @@ class DraftModelDrafter(Drafter):
         self.vocab_map: torch.Tensor | None = getattr(model, "draft_vocab", None)  # draft id -> target id
         self._reduced = model.reduced_logits if self.vocab_map is not None else contextlib.nullcontext
         self.target_vocab = model.config.get_text_config().vocab_size
-        self.margin = 8  # cache room past the longest sequence (a drafter growing trees in the pending region needs more)
+        self.draft_nodes = 0  # raised by reserve()
 
     def max_tree_size(self, depth: int) -> int:
         return 1 + depth
+
+    @property
+    def margin(self) -> int:
+        """Draft cache room past the longest sequence: the reserved nodes and :data:`DRAFT_CACHE_SLACK`."""
+        return self.draft_nodes + DRAFT_CACHE_SLACK
 
     def keep_rows(self, rows: list[int]) -> None:
         self.runner.keep_rows(rows)  # nothing is pending: update() rolled the draft cache back
@@ -71,7 +78,7 @@ class DraftModelDrafter(Drafter):
     def reserve(self, nodes: int) -> None:
         """Make room in the draft cache, from the next :meth:`begin`, for ``nodes`` pending nodes past the longest
         sequence (a drafter that grows trees or windows in the draft's pending region needs more than a chain)."""
-        self.margin = max(self.margin, nodes + 8)
+        self.draft_nodes = max(self.draft_nodes, nodes)
 
     def forward_mode(self):
         """The context the draft's forwards run in: its reduced-vocabulary head where it has one."""

@@ -117,6 +117,10 @@ class GraphDrafter(Drafter):
 
     # ---- Drafter interface ----------------------------------------------------------------------
 
+    @property
+    def draft_nodes(self) -> int:
+        return self.base.draft_nodes
+
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
         self.base.begin(state)

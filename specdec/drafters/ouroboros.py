@@ -206,6 +206,10 @@ class OuroborosDrafter(Drafter):
 
     # ---- Drafter interface ----------------------------------------------------------------------
 
+    @property
+    def draft_nodes(self) -> int:
+        return self.base.draft_nodes
+
     def max_tree_size(self, depth: int) -> int:
         points = (self.gamma + 1 if self.attach == "all" else 1) if self.lengthen else 0
         return 1 + self.gamma + points * self.k * self.phrase_len
