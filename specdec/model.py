@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from specdec import kernels, precompile, settings
+from specdec import kernels, memory, precompile, settings
 from specdec.kernels.reference import tree_attention_mask
 from specdec.tree import DraftTree
 
@@ -308,10 +308,13 @@ class PreallocatedCache(Cache):
         """Let go of the buffers (a runner replacing this cache calls it). The layers point back at their cache,
         so a dropped cache is a reference cycle that only a full garbage collection frees: its buffers (a
         step-cost calibration's, 99 MiB at 16 rows of SmolLM2 in fp32) stayed resident through the generation
-        that followed. Buffers the pool keeps for reuse live on there."""
+        that followed. Buffers the pool keeps for reuse live on there; the dropped cache lets go of the pool (a
+        one-row cache of a ragged prefill holds views of every layer's batch buffers in its own, which kept them
+        alive after the runner released them: the soak's runs started 1.6 GB apart)."""
         for layer in self.layers:
             layer.keys = layer.values = None
             layer.is_initialized = False
+        self.pool = {}
 
     def buffers(self) -> list[torch.Tensor]:
         """Every initialised layer's key and value buffers."""
@@ -412,11 +415,14 @@ class ModelRunner:
 
         Cache buffers of an earlier call are reused where they fit (same rows, at least this capacity) and
         otherwise freed here, before any new one is allocated, so old and new never coexist."""
-        if any(k.shape[0] != batch_size or k.shape[2] < capacity for k, _ in self._pool.values()):
+        dropped = any(k.shape[0] != batch_size or k.shape[2] < capacity for k, _ in self._pool.values())
+        if dropped:
             self._pool.clear()
         self.batch_size = batch_size
         if getattr(self, "cache", None) is not None:
             self.cache.drop()
+        if dropped:
+            memory.return_freed_memory()  # else the freed buffers can stay resident beside the next ones
         self.cache = PreallocatedCache(self.config.num_hidden_layers, batch_size, capacity, self.device, self._pool)
         if self._compiled is not None and self.device.type == "cpu":
             from specdec.linear import refresh_packed
@@ -430,6 +436,7 @@ class ModelRunner:
         run, such as a step-cost calibration, would otherwise leave sized for itself."""
         self._pool.clear()
         self.reset(self.batch_size, 0)
+        memory.return_freed_memory()
 
     def warm_up(self, extra_inputs: Callable[[int], dict] | None = None,
                 return_hidden: bool | tuple[bool, ...] = False, catch_up: bool = False) -> None:

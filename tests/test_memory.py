@@ -1,6 +1,8 @@
 """Memory: the estimate's parts, chunking a batch that does not fit, and the errors when it may not."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -87,9 +89,12 @@ def test_available_memory_is_positive():
     assert memory.available_bytes(torch.device("cpu")) > 0
 
 
-def test_a_replaced_cache_frees_its_buffers_at_once():
+@pytest.mark.parametrize("lens", [(20, 20), (150, 5, 4, 6)], ids=["even", "ragged"])
+def test_a_replaced_cache_frees_its_buffers_at_once(lens):
     """The cache's layers point back at it: a runner replacing its cache must break that cycle, or the old buffers
-    (a step-cost calibration's) stay resident until a full garbage collection, through the generation after."""
+    (a step-cost calibration's) stay resident until a full garbage collection, through the generation after. Ragged
+    prompts are encoded on one-row caches over views of the batch buffers: no view may outlive a release either
+    (they kept 16 rows of 4,300 positions, 1.5 GB, resident between the soak's runs)."""
     import gc
     import weakref
 
@@ -97,16 +102,66 @@ def test_a_replaced_cache_frees_its_buffers_at_once():
     from tests.conftest import tiny_model
 
     runner = ModelRunner(tiny_model("llama"))
-    runner.reset(2, 40)
-    ids = torch.tensor([prompt_of(20, seed=1), prompt_of(20, seed=2)])
-    runner.prefill(ids, torch.tensor([20, 20]))
-    old = weakref.ref(runner.cache.layers[0].keys)
-    gc.disable()
+    runner.reset(len(lens), 160)
+    ids = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    for i, n in enumerate(lens):
+        ids[i, :n] = torch.tensor(prompt_of(n, seed=i))
+    gc.disable()  # no collection may free what the runner leaves in reference cycles
     try:
+        runner.prefill(ids, torch.tensor(lens))
+        old = weakref.ref(runner.cache.layers[0].keys)
+        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in runner.cache.buffers()]
         runner.release()
         assert old() is None
+        views = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta
+                 and any(a <= o.data_ptr() < b for a, b in spans)]
+        assert views == []
     finally:
         gc.enable()
+
+
+def test_freed_heap_memory_goes_back_to_the_kernel():
+    """Blocks under glibc's raised mmap threshold live on the heap; freed below a live block, they stay resident
+    until ``return_freed_memory`` hands them back (a soak's runs grew 1.6 GB each before the runner called it)."""
+    import ctypes.util
+
+    from bench.memory import rss
+
+    if "glibc" not in (ctypes.util.find_library("c") or "") and not os.path.exists("/lib/x86_64-linux-gnu/libc.so.6") \
+            and not os.path.exists("/lib64/libc.so.6"):
+        pytest.skip("malloc_trim is glibc's")
+    mib = 1 << 20
+    big = torch.empty(16 * mib, dtype=torch.uint8)
+    del big  # a mapped block freed: glibc's threshold rises to its size, so the blocks below come from the heap
+    blocks = [torch.ones(mib, dtype=torch.uint8) for _ in range(97)]  # 97 MiB, touched
+    pin = blocks.pop()  # noqa: F841  the last, live above the others: free() cannot shrink the heap's top
+    held = rss()
+    del blocks
+    freed = rss()
+    if held - freed > 48 * mib:
+        pytest.skip("this allocator returned the blocks on free()")  # (MALLOC_MMAP_THRESHOLD_ set: no heap blocks)
+    memory.return_freed_memory()
+    assert freed - rss() > 64 * mib
+
+
+def test_the_runner_returns_freed_cache_memory(monkeypatch):
+    """release() and a reset that drops the pooled buffers (a new batch size or a longer capacity) hand the freed
+    memory back; a reset that reuses them does not pay for it."""
+    from specdec.model import ModelRunner
+    from tests.conftest import tiny_model
+
+    calls = []
+    monkeypatch.setattr(memory, "return_freed_memory", lambda: calls.append(1))
+    runner = ModelRunner(tiny_model("llama"))
+    runner.reset(2, 40)
+    runner.prefill(torch.tensor([prompt_of(20, seed=1), prompt_of(20, seed=2)]), torch.tensor([20, 20]))
+    calls.clear()
+    runner.reset(2, 30)  # the pool fits: reused
+    assert calls == []
+    runner.reset(2, 80)  # longer: dropped
+    assert calls == [1]
+    runner.release()
+    assert len(calls) >= 2
 
 
 def test_ragged_prompts_are_estimated_one_row_at_a_time():
