@@ -138,6 +138,25 @@ def test_a_probe_over_shrinking_batches_is_judged_whole_and_holds_near_its_sizes
     assert kinds[:6] == [True, False] * 3 and not any(kinds[6:])
 
 
+def test_a_probe_cut_at_one_row_does_not_decide_for_sixteen():
+    # The bench's warm-up call (one row, 8 tokens) ends inside a probe that drafting wins; the next call runs 16 rows,
+    # where a drafting step takes 6x a plain one for 1.6x its tokens. The plain step pairing the cut probe runs at 16
+    # rows: judged against one-row drafting steps it made drafting win there (128 drafting steps running: `sd` at 0.42x
+    # `ar` over 4,000 sampled tokens). The one-row steps say nothing of 16 rows: the call probes at 16 rows, and stops.
+    gov = DraftGovernor()
+    for k in (True, False, True):  # the first call's steps, cut after a drafting one
+        assert gov.drafts(1) == k
+        gov.observe(k, 1, 3 if k else 1, 0.04 if k else 0.02)
+    gov.begin()
+    kinds = []
+    for _ in range(100):
+        k = gov.drafts(16)
+        gov.observe(k, 16, 16 * (1.6 if k else 1.0), 0.36 if k else 0.06)
+        kinds.append(k)
+    assert kinds[:7] == [False] + [True, False] * 3 and not any(kinds[7:])
+    assert gov.rate(1, True) is not None  # the one-row steps still count for one row
+
+
 def test_a_loss_at_many_rows_does_not_silence_one_row():
     # Sixteen rows lose (a dear probe, a long pause), then one row is left, where drafting pays: 16 rows are no
     # guide to one, so it probes at once instead of waiting out the 16-row pause.
