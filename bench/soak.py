@@ -114,7 +114,10 @@ def soak(dec, method: str, prompts: list[list[int]], max_new: int, seed: int, ev
     out = {"method": method, "rows": len(prompts), "new_tokens": sum(len(t) for t in res.tokens),
            "seconds": round(mon.samples[-1][0], 2), "samples": len(mon.samples), "rss_start_mb": round(rss_start / 1e6, 1),
            "target_cache_mb": round(dec.runner.cache_bytes() / 1e6, 1),
-           **quarters(mon.samples, start), "workers": len(workers())}
+           **quarters(mon.samples, start), "workers": len(workers()),
+           # what the method did: its steps, draft tokens verified and accepted, and its governor's step kinds
+           "steps": res.stats.steps, "drafted_tokens": res.stats.drafted_tokens,
+           "accepted_tokens": res.stats.accepted_tokens, "governor": (res.stats.drafter or {}).get("governor")}
     return judge(out, reference)
 
 
