@@ -88,21 +88,6 @@ def available_bytes(device: torch.device | str) -> int:
     return max(0, avail)
 
 
-def return_freed_memory() -> None:
-    """Hand the free pages of the C heap back to the kernel (glibc's ``malloc_trim``; elsewhere nothing).
-
-    Freed blocks larger than glibc's mmap threshold go back at once, but the threshold rises to the largest mapped
-    block freed (up to 32 MiB), so a decode's buffers of up to that size come from the heap, and freed they stay
-    resident unless they lie at its top. After a 16-row, 4,300-position SmolLM2 cache was released this returned
-    another 137 MB (1,239 -> 1,102 MB resident)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def _dims(config) -> tuple[int, int, int, int, int, int]:
     """layers, KV heads, head size, hidden size, MLP size and vocabulary of a (text) config."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from specdec import kernels, memory, precompile, settings
+from specdec import kernels, precompile, settings
 from specdec.kernels.reference import tree_attention_mask
 from specdec.tree import DraftTree
 
@@ -415,14 +415,11 @@ class ModelRunner:
 
         Cache buffers of an earlier call are reused where they fit (same rows, at least this capacity) and
         otherwise freed here, before any new one is allocated, so old and new never coexist."""
-        dropped = any(k.shape[0] != batch_size or k.shape[2] < capacity for k, _ in self._pool.values())
-        if dropped:
+        if any(k.shape[0] != batch_size or k.shape[2] < capacity for k, _ in self._pool.values()):
             self._pool.clear()
         self.batch_size = batch_size
         if getattr(self, "cache", None) is not None:
             self.cache.drop()
-        if dropped:
-            memory.return_freed_memory()  # else the freed buffers can stay resident beside the next ones
         self.cache = PreallocatedCache(self.config.num_hidden_layers, batch_size, capacity, self.device, self._pool)
         if self._compiled is not None and self.device.type == "cpu":
             from specdec.linear import refresh_packed
@@ -436,7 +433,6 @@ class ModelRunner:
         run, such as a step-cost calibration, would otherwise leave sized for itself."""
         self._pool.clear()
         self.reset(self.batch_size, 0)
-        memory.return_freed_memory()
 
     def warm_up(self, extra_inputs: Callable[[int], dict] | None = None,
                 return_hidden: bool | tuple[bool, ...] = False, catch_up: bool = False) -> None:

@@ -1,8 +1,6 @@
 """Memory: the estimate's parts, chunking a batch that does not fit, and the errors when it may not."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -113,55 +111,17 @@ def test_a_replaced_cache_frees_its_buffers_at_once(lens):
         spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in runner.cache.buffers()]
         runner.release()
         assert old() is None
-        views = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta
-                 and any(a <= o.data_ptr() < b for a, b in spans)]
-        assert views == []
+        assert [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and _inside(o, spans)] == []
     finally:
         gc.enable()
 
 
-def test_freed_heap_memory_goes_back_to_the_kernel():
-    """Blocks under glibc's raised mmap threshold live on the heap; freed below a live block, they stay resident
-    until ``return_freed_memory`` hands them back (a soak's runs grew 1.6 GB each before the runner called it)."""
-    import ctypes.util
-
-    from bench.memory import rss
-
-    if "glibc" not in (ctypes.util.find_library("c") or "") and not os.path.exists("/lib/x86_64-linux-gnu/libc.so.6") \
-            and not os.path.exists("/lib64/libc.so.6"):
-        pytest.skip("malloc_trim is glibc's")
-    mib = 1 << 20
-    big = torch.empty(16 * mib, dtype=torch.uint8)
-    del big  # a mapped block freed: glibc's threshold rises to its size, so the blocks below come from the heap
-    blocks = [torch.ones(mib, dtype=torch.uint8) for _ in range(97)]  # 97 MiB, touched
-    pin = blocks.pop()  # noqa: F841  the last, live above the others: free() cannot shrink the heap's top
-    held = rss()
-    del blocks
-    freed = rss()
-    if held - freed > 48 * mib:
-        pytest.skip("this allocator returned the blocks on free()")  # (MALLOC_MMAP_THRESHOLD_ set: no heap blocks)
-    memory.return_freed_memory()
-    assert freed - rss() > 64 * mib
-
-
-def test_the_runner_returns_freed_cache_memory(monkeypatch):
-    """release() and a reset that drops the pooled buffers (a new batch size or a longer capacity) hand the freed
-    memory back; a reset that reuses them does not pay for it."""
-    from specdec.model import ModelRunner
-    from tests.conftest import tiny_model
-
-    calls = []
-    monkeypatch.setattr(memory, "return_freed_memory", lambda: calls.append(1))
-    runner = ModelRunner(tiny_model("llama"))
-    runner.reset(2, 40)
-    runner.prefill(torch.tensor([prompt_of(20, seed=1), prompt_of(20, seed=2)]), torch.tensor([20, 20]))
-    calls.clear()
-    runner.reset(2, 30)  # the pool fits: reused
-    assert calls == []
-    runner.reset(2, 80)  # longer: dropped
-    assert calls == [1]
-    runner.release()
-    assert len(calls) >= 2
+def _inside(t: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
+    try:
+        p = t.data_ptr()
+    except RuntimeError:  # a fake tensor an earlier compile left behind has no data
+        return False
+    return any(a <= p < b for a, b in spans)
 
 
 def test_ragged_prompts_are_estimated_one_row_at_a_time():
