@@ -130,10 +130,11 @@ def test_rows_finishing_do_not_restart_probes():
     assert kinds[:6] == [True, False] * 3 and not any(kinds[6:])
 
 
-def test_a_probe_over_shrinking_batches_is_judged_whole_and_holds_near_its_sizes():
+def test_a_probe_over_shrinking_batches_is_judged_near_its_sizes_and_holds_there():
     # A short call's probe ran while rows finished (16 down to 5): no batch size holds a probe's worth of steps, so
-    # its verdict decides at the sizes it ran over; the next call at 16 rows waits out its pause instead of probing
-    # again (and its first drafting step would read the new prompts into a model draft).
+    # its verdict (on its steps within a factor of two of its last, 13 to 7 rows) decides at the sizes it ran near;
+    # the next call at 16 rows waits out its pause instead of probing again (and its first drafting step would read
+    # the new prompts into a model draft).
     kinds = losing_calls([[16, 16, 13, 12, 9, 7, 5], [16] * 100])
     assert kinds[:6] == [True, False] * 3 and not any(kinds[6:])
 
@@ -155,6 +156,27 @@ def test_a_probe_cut_at_one_row_does_not_decide_for_sixteen():
         kinds.append(k)
     assert kinds[:7] == [False] + [True, False] * 3 and not any(kinds[7:])
     assert gov.rate(1, True) is not None  # the one-row steps still count for one row
+
+
+@pytest.mark.parametrize("lengths", [(2, 1), (7, 1), (1, 7), (2, 4)])
+def test_calls_alternating_one_and_sixteen_rows_still_decide(lengths):
+    # Short calls alternate between 1 row (drafting pays) and 16 (a drafting step 6x a plain one), each cut inside a
+    # probe, whose pairing plain step then runs at the other size: such a probe decides nothing. The rates each size
+    # gathers must: a probe at a size that timed fewer plain steps starts with one (one-step calls at 16 rows cut
+    # every probe after its first step, a drafting one, and drafted at every call).
+    gov = DraftGovernor()
+    kinds = {1: [], 16: []}
+    for call in range(60):
+        rows = 1 if call % 2 == 0 else 16
+        gov.begin()
+        for _ in range(lengths[call % 2]):
+            k = gov.drafts(rows)
+            if rows == 1:
+                gov.observe(k, 1, 3 if k else 1, 0.04 if k else 0.02)
+            else:
+                gov.observe(k, 16, 16 * (1.6 if k else 1.0), 0.36 if k else 0.06)
+            kinds[rows].append(k)
+    assert sum(kinds[16][-30:]) <= 4 and sum(kinds[1][-30:]) >= 24
 
 
 def test_a_loss_at_many_rows_does_not_silence_one_row():

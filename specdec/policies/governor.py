@@ -28,10 +28,11 @@ draft's catch-up over the skipped steps alone costs more than ``explore`` of the
 
 Rates persist across generations of one decoder, and so does the probe schedule (a probe that a generation ended
 inside is judged in the next on the steps it took), so each call does not pay to relearn them. A probe is judged on
-its own steps, whatever batch sizes they ran over. A batch size met with too few steps of either kind (rows finishing
-shrink the batch a size at a time) decides as the nearest size within a factor of two that has a probe's worth of
-both, and starts from its steps; without one, as the last probe decided where it ran over sizes within a factor of
-two; without that, it probes.
+its own steps, over whatever batch sizes they ran (rows finish during it) but those more than a factor of two from
+its last step's, and decides only near the sizes it ran over. A batch size met with too few steps of either kind
+(rows finishing shrink the batch a size at a time) decides as the nearest size within a factor of two that has a
+probe's worth of both, and starts from its steps; without one, as the last probe decided where it ran over sizes
+within a factor of two; without that, it probes.
 
 Every decision keeps decoding exact: a plain step is a draft of nothing.
 """
@@ -63,6 +64,7 @@ class DraftGovernor:
         self.explore, self.max_hold, self.blocks = explore, max_hold, blocks
         self._rates: dict[int, dict[bool, deque]] = {}  # rows -> drafting? -> (tokens per row, seconds) of recent steps
         self._pause, self._waited, self._since_plain = pause, 0, 0
+        self._rows = 0  # the batch size of the step being decided
         self._hold = 0  # plain steps the last lost probe's cost asks for before the next probe
         self._queue: list[bool] = []  # the kinds of a probe's remaining steps, last first
         self._probing = False  # the step decided last belongs to a probe
@@ -73,10 +75,11 @@ class DraftGovernor:
     def begin(self) -> None:
         """A new generation starts. The rates and the probe schedule carry over (a workload of short generations
         would otherwise pay for a probe every few steps). A probe the last generation ended inside is judged on the
-        steps it took, after the plain steps that pair its drafting steps (one at most, but in ``blocks``): dropped, it set no pause for its
-        cost, so the next probe came 8 steps later (an 8-token call before 128 tokens: two probes of `ouroboros`
-        over 16 sampled rows, 15 plain steps each); carried whole, its next drafting step re-read the new prompts
-        into a model draft (16 rows of `sd` at 0.86x `ar`)."""
+        steps it took, after the plain steps that pair its drafting steps (one at most, but in ``blocks``): dropped,
+        it set no pause for its cost, so the next probe came 8 steps later (an 8-token call before 128 tokens: two
+        probes of `ouroboros` over 16 sampled rows, 15 plain steps each); carried whole, its next drafting step
+        re-read the new prompts into a model draft (16 rows of `sd` at 0.86x `ar`). Steps more than a factor of
+        two from the new call's batch size decide nothing there (:meth:`_judge`)."""
         self.counts = {"drafting_steps": 0, "plain_steps": 0, "switches_to_plain": 0, "switches_to_drafting": 0}
         self._last: bool | None = None
         drafted = sum(k for k, *_ in self._probe)
@@ -117,12 +120,13 @@ class DraftGovernor:
         return kind
 
     def _decide(self, rows: int) -> bool:
+        self._rows = rows
         self._probing = bool(self._queue)
         if self._probing:
             return self._queue.pop()
         if self._probe:  # a probe just ended: its own steps decide (timed side by side) where they ran near here
             won = self._judge(rows)
-            if won is None or self._verdict_near(rows):
+            if won is not None and self._verdict_near(rows):
                 return self._follow(won)
         bucket = self._bucket(rows)
         if min(len(bucket[True]), len(bucket[False])) < self.probe:
@@ -172,9 +176,11 @@ class DraftGovernor:
             return None
         wins = _rate(drafting) >= _rate(plain)
         self._verdict = (wins, min(r for _, r, *_ in steps), max(r for _, r, *_ in steps))
+        if not self._verdict_near(rows):  # it ran at other batch sizes: its cost and steps say nothing here
+            return wins
         if not wins:
             self._hold = self._cost_pause(drafting, plain)
-        elif self._verdict_near(rows):  # drafting pays again: the steps from before the probe are stale
+        else:  # drafting pays again: the steps from before the probe are stale
             bucket = self._bucket(rows)[True]
             bucket.clear()
             bucket.extend(drafting)
@@ -193,9 +199,14 @@ class DraftGovernor:
 
     def _compare(self) -> bool:
         """Start a probe: ``probe`` drafting and plain steps, alternating (so that both kinds are timed under
-        the same load, on a machine whose speed drifts), drafting first; or in blocks (``blocks``)."""
+        the same load, on a machine whose speed drifts), drafting first unless this batch size has timed fewer plain
+        steps than drafting ones (calls of a step or two at 16 rows, between calls of one row, each cut the probe
+        after its first step: always a drafting one, so 16 rows never timed a plain step); or in blocks (``blocks``)."""
+        bucket = self._rates.get(self._rows)
+        plain_first = bucket is not None and len(bucket[False]) < len(bucket[True])
         # popped from the end
-        self._queue = [False] * (self.probe + 1) + [True] * self.probe if self.blocks else [False, True] * self.probe
+        self._queue = [False] * (self.probe + 1) + [True] * self.probe if self.blocks else \
+            [True, False] * self.probe if plain_first else [False, True] * self.probe
         self._probing, self._probe = True, []
         return self._queue.pop()
 
