@@ -111,17 +111,20 @@ def test_a_replaced_cache_frees_its_buffers_at_once(lens):
         storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in runner.cache.buffers()}
         runner.release()
         assert old() is None
-        assert [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and _storage(o) in storages] == []
+        assert [o for o in gc.get_objects() if _storage(o) in storages] == []
     finally:
         gc.enable()
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int] | None:
-    """Where ``t``'s storage starts and its bytes (a view shares its base's; a new tensor at a freed address has
-    its own size), or None for a fake tensor an earlier compile left behind."""
+def _storage(obj) -> tuple[int, int] | None:
+    """Where a tensor's storage starts and its bytes (a view shares its base's; a new tensor at a freed address has
+    its own size); None for anything else: other objects, a fake tensor an earlier compile left behind, a dead weak
+    proxy (whose isinstance check raises)."""
     try:
-        return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
+        if not isinstance(obj, torch.Tensor):
+            return None
+        return obj.untyped_storage().data_ptr(), obj.untyped_storage().nbytes()
+    except (ReferenceError, RuntimeError, NotImplementedError):
         return None
 
 
