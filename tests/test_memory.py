@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from specdec import memory
 from specdec.api import hf_generate
@@ -121,7 +122,7 @@ def _storage(obj) -> tuple[int, int] | None:
     its own size); None for anything else: other objects, a fake tensor an earlier compile left behind, a dead weak
     proxy (whose isinstance check raises)."""
     try:
-        if not isinstance(obj, torch.Tensor):
+        if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor):
             return None
         return obj.untyped_storage().data_ptr(), obj.untyped_storage().nbytes()
     except (ReferenceError, RuntimeError, NotImplementedError):
