@@ -64,7 +64,6 @@ class DraftGovernor:
         self.explore, self.max_hold, self.blocks = explore, max_hold, blocks
         self._rates: dict[int, dict[bool, deque]] = {}  # rows -> drafting? -> (tokens per row, seconds) of recent steps
         self._pause, self._waited, self._since_plain = pause, 0, 0
-        self._rows = 0  # the batch size of the step being decided
         self._hold = 0  # plain steps the last lost probe's cost asks for before the next probe
         self._queue: list[bool] = []  # the kinds of a probe's remaining steps, last first
         self._probing = False  # the step decided last belongs to a probe
@@ -120,41 +119,42 @@ class DraftGovernor:
         return kind
 
     def _decide(self, rows: int) -> bool:
-        self._rows = rows
         self._probing = bool(self._queue)
         if self._probing:
             return self._queue.pop()
         if self._probe:  # a probe just ended: its own steps decide (timed side by side) where they ran near here
             won = self._judge(rows)
             if won is not None and self._verdict_near(rows):
-                return self._follow(won)
+                return self._follow(won, rows)
         bucket = self._bucket(rows)
         if min(len(bucket[True]), len(bucket[False])) < self.probe:
             near = self._near(rows)
             if near is not None:  # decide as the nearest batch size with a probe's worth does
-                rows = near
+                timed = near
             elif self._verdict_near(rows):
-                return self._follow(self._verdict[0])  # the last probe ran over batch sizes near this one
+                return self._follow(self._verdict[0], rows)  # the last probe ran over batch sizes near this one
             else:  # nothing to go on yet
-                return self._compare()
-        return self._follow(self.rate(rows, True) >= self.rate(rows, False))
+                return self._compare(rows)
+        else:
+            timed = rows
+        return self._follow(self.rate(timed, True) >= self.rate(timed, False), rows)
 
-    def _follow(self, drafting: bool | None) -> bool:
-        """The step after deciding whether ``drafting`` wins (None: no evidence, probe): draft, or wait out the
-        pause, or probe again once the pause or the refresh interval is over."""
+    def _follow(self, drafting: bool | None, rows: int) -> bool:
+        """The step over ``rows`` rows after deciding whether ``drafting`` wins (None: no evidence, probe): draft, or
+        wait out the pause, or probe again once the pause or the refresh interval is over."""
         if drafting is None:
-            return self._compare()
+            return self._compare(rows)
         if drafting:
             self._pause, self._waited, self._hold = self.pause, 0, 0
             self._since_plain += 1
             if self._since_plain > self.refresh:
                 self._since_plain = 0
-                return self._compare()
+                return self._compare(rows)
             return True
         self._waited += 1
         if self._waited > max(self._pause, self._hold):
             self._waited, self._pause = 0, min(2 * self._pause, self.max_pause)
-            return self._compare()
+            return self._compare(rows)
         return False
 
     def _verdict_near(self, rows: int) -> bool:
@@ -197,12 +197,12 @@ class DraftGovernor:
         lost = sum(max(0.0, t - n / rate) for n, t in drafting)
         return min(self.max_hold, math.ceil(lost / (self.explore * median(t for _, t in _clip(plain)))))
 
-    def _compare(self) -> bool:
-        """Start a probe: ``probe`` drafting and plain steps, alternating (so that both kinds are timed under
+    def _compare(self, rows: int) -> bool:
+        """Start a probe over ``rows`` rows: ``probe`` drafting and plain steps, alternating (so that both kinds are timed under
         the same load, on a machine whose speed drifts), drafting first unless this batch size has timed fewer plain
         steps than drafting ones (calls of a step or two at 16 rows, between calls of one row, each cut the probe
         after its first step: always a drafting one, so 16 rows never timed a plain step); or in blocks (``blocks``)."""
-        bucket = self._rates.get(self._rows)
+        bucket = self._rates.get(rows)
         plain_first = bucket is not None and len(bucket[False]) < len(bucket[True])
         # popped from the end
         self._queue = [False] * (self.probe + 1) + [True] * self.probe if self.blocks else \
