@@ -173,6 +173,15 @@ class StepOutcome:
         return cls(verdict.path, path_len, emitted, [h[0] for h in host], [h[1] for h in host],
                    [h[2: 2 + h[0]] for h in host])
 
+    @classmethod
+    def plain(cls, token: torch.Tensor, active: list[bool]) -> "StepOutcome":
+        """A step that verified each row's root alone: ``token [B]`` the next token per row (finished rows
+        stand still)."""
+        b, dev = token.shape[0], token.device
+        return cls(torch.zeros(b, 1, dtype=torch.int64, device=dev), torch.tensor(active, dtype=torch.int64, device=dev),
+                   token[:, None], [int(a) for a in active], [0] * b,
+                   [[t] if a else [] for t, a in zip(token.tolist(), active)])
+
 
 def tree_margin(drafter: Drafter, policy: LengthPolicy, max_new_tokens: int) -> int:
     """Cache room past the longest sequence for one step's draft tree: the largest tree ``drafter`` can
@@ -235,10 +244,17 @@ def speculative_generate(
         with timed(stats, "target_s") as seconds:
             logits, hidden = target.forward_tree(tree, drafter.needs_hidden)
         policy.observe_step(tree.size, seconds[0], tree.tokens.shape[0])
-        verdict = verifier.verify(tree, logits, per_node=drafter.per_node)
-        if drafter.per_node:
-            drafter.observe_verdict(tree, verdict)
-        step = StepOutcome.of(tree, verdict, [not out.done[i] for i in live])
+        going = [not out.done[i] for i in live]
+        if tree.size == 1 and not drafter.per_node:
+            # Nothing drafted (a governed plain step, or no row found a draft): `ar`'s step, the same draw from the
+            # same generator (so a generation that never drafts is `ar`'s, sampled too), at 0.5 ms less host time
+            # than the tree verifier's (4 rows, 37 ms steps).
+            step = StepOutcome.plain(verifier.first_token(logits[:, 0]), going)
+        else:
+            verdict = verifier.verify(tree, logits, per_node=drafter.per_node)
+            if drafter.per_node:
+                drafter.observe_verdict(tree, verdict)
+            step = StepOutcome.of(tree, verdict, going)
         target.commit(step.path, step.path_len, tree.is_chain, step.lengths)
         state.advance(step.emitted, step.path_len, step.lengths)
         active = [r for r, n in enumerate(step.lengths) if n > 0]

@@ -362,3 +362,17 @@ def test_govern_option_turns_it_off():
     assert "governor" in on.stats.drafter and "governor" not in off.stats.drafter
     with pytest.raises(ValueError, match="govern"):
         dec.generate_ids([prompt], "pld", 20, GREEDY, govern=2)
+
+
+@pytest.mark.parametrize("method", ["pld", "ngrammys", "sd"])
+def test_a_sampled_generation_that_never_drafts_is_ars(method):
+    """A plain step is `ar`'s step: the same draw from the same generator, so with the same seed a generation whose
+    governor never lets it draft samples `ar`'s tokens (a ragged batch)."""
+    dec = decoder("llama")
+    prompts = [prompt_of(9, seed=1) * 2, prompt_of(4, seed=2), prompt_of(6, seed=3)]
+    sampling = SamplingConfig(temperature=1.0, seed=7)
+    opts = runnable(dec, {})
+    ar = dec.generate_ids(prompts, "ar", 25, sampling)
+    plain = dec.generate_ids(prompts, method, 25, sampling, governor=Scripted("p"), **opts)
+    assert plain.tokens == ar.tokens
+    assert plain.stats.drafted_tokens == 0 and plain.stats.drafter["governor"]["drafting_steps"] == 0
