@@ -128,7 +128,8 @@ def _prepare(dec: SpecDecoder, label: str, prompts: list[list[int]], max_new: in
 
 def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_new_tokens: int,
               sampling: SamplingConfig = SamplingConfig(), options: dict | None = None,
-              config: dict | None = None, progress: bool = True, batch_size: int = 1, ignore_eos: bool = False) -> dict:
+              config: dict | None = None, progress: bool = True, batch_size: int = 1, ignore_eos: bool = False,
+              rounds: int = 1) -> dict:
     """Run the methods ``labels`` (``name`` or ``name:key=value:...``; plus ``hf``) over ``prompts``; return
     the bench JSON (config, runs, and the summary keyed by each label as written). ``options``: per
     method name, options that apply to all its labels (the CLI's flags); a label's own options win.
@@ -138,15 +139,22 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
     prompt, as transformers runs them). A run then covers a group: its ``prompt_ids``, ``batch_size``, the tokens
     of all its rows and the call's seconds, so the summary's tokens per second is the throughput over all rows.
 
-    ``ignore_eos``: every row runs to ``max_new_tokens`` (:func:`without_eos`)."""
+    ``ignore_eos``: every row runs to ``max_new_tokens`` (:func:`without_eos`).
+
+    ``rounds``: every group runs this many times (each run records its ``round``), the methods' order rotating
+    from group to group: more samples behind each ratio where the machine's speed drifts (two cores here: one
+    group's calls of the same work spread by +-20%)."""
     if ignore_eos:
         with without_eos(dec):
-            out = run_bench(dec, labels, prompts, max_new_tokens, sampling, options, config, progress, batch_size)
+            out = run_bench(dec, labels, prompts, max_new_tokens, sampling, options, config, progress, batch_size,
+                            rounds=rounds)
         out["config"]["ignore_eos"] = True
         return out
     options = options or {}
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     for label in labels:  # every label is checked before anything runs
         m, own = parse_label(label)
         if m in HF_METHODS:
@@ -188,8 +196,9 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
     target_calls.take(), draft_calls.take()
 
     runs, reference = [], {}
-    bar = tqdm(total=len(groups) * len(labels), desc="bench", disable=not progress)
-    for i, group in enumerate(groups):
+    schedule = [(r, group) for r in range(rounds) for group in groups]
+    bar = tqdm(total=len(schedule) * len(labels), desc="bench", disable=not progress)
+    for i, (round_, group) in enumerate(schedule):
         ids = [p.ids for p in group]
         order = labels[i % len(labels):] + labels[: i % len(labels)]
         # hf runs first on its prompts only if it rotates there; identity is checked after the loop.
@@ -219,7 +228,7 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
                 "drafter": stats.drafter if stats and stats.drafter else None,
                 "chunks": stats.chunks if stats else None,
                 "memory_estimate": stats.memory_estimate if stats else None,
-                "identical_to_reference": None, "_tokens": tokens,
+                "identical_to_reference": None, "_tokens": tokens, "round": round_,
             }
             if batch_size > 1:
                 # transformers' prompt lookup and assisted generation ran the group's prompts one after another
@@ -241,7 +250,7 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
             run["identical_to_reference"] = all(same)
             if batch_size > 1:
                 run["identical_rows"] = sum(same)
-    return {"config": {**(config or {}), "batch_size": batch_size, "ignore_eos": False},
+    return {"config": {**(config or {}), "batch_size": batch_size, "ignore_eos": False, "rounds": rounds},
             "runs": runs, "summary": summarize(runs)}
 
 

@@ -150,7 +150,7 @@ def cmd_bench(args) -> int:
     result = run_bench(dec, methods, prompts, args.max_new_tokens, s, options,
                        bench_config(args.model, args.draft, args.dtype, args.max_new_tokens, s, args.linear,
                                     dec.compiled, _weights_used(dec), args.draft_weights), batch_size=args.batch_size,
-                       ignore_eos=args.ignore_eos)
+                       ignore_eos=args.ignore_eos, rounds=args.rounds)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--batch-size", type=int, default=1, help="decode the prompts N at a time, in order, each group as "
                    "one ragged batch (every method; hf as one padded generate call, hf-pld and hf-assisted prompt by "
                    "prompt): tok/s is then the throughput over all rows, ms/tok the time per token a row sees")
+    b.add_argument("--rounds", type=int, default=1, help="run every group N times, the methods' order rotating: "
+                   "N samples behind each ratio on a machine whose speed drifts")
     b.add_argument("--ignore-eos", action="store_true", help="every row runs to --max-new-tokens, transformers' "
                    "too: sampled methods then emit the same tokens, so their rates compare")
     b.add_argument("--threads", type=int, default=None, help="intra-op threads every method runs with (default: "

@@ -63,6 +63,29 @@ def test_run_bench_batched_rows_match_one_at_a_time():
         run_bench(dec, ["ar"], prompts, 4, progress=False, batch_size=0)
 
 
+def test_run_bench_rounds_repeat_every_group_with_the_order_rotating():
+    """--rounds N: every group runs N times, each run tagged with its round, the methods' order rotating from one
+    group's calls to the next, every run checked against transformers' tokens."""
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6))
+    prompts = [Prompt(f"p{n}", "cat", prompt_of(n, seed=n)) for n in (3, 5, 8)]
+    methods = ["ar", "pld"]
+    one = run_bench(dec, methods, prompts, 10, progress=False, batch_size=2)
+    res = run_bench(dec, methods, prompts, 10, progress=False, batch_size=2, rounds=3)
+    assert res["config"]["rounds"] == 3 and one["config"]["rounds"] == 1
+    runs = res["runs"]
+    assert len(runs) == 3 * 2 * 3  # rounds x groups x (hf + methods)
+    for m in ["hf", *methods]:
+        mine = [r for r in runs if r["method"] == m]
+        assert [r["round"] for r in mine] == [0, 0, 1, 1, 2, 2]
+        assert sum(r["new_tokens"] for r in mine) == 3 * sum(r["new_tokens"] for r in one["runs"] if r["method"] == m)
+    assert all(r["identical_to_reference"] for r in runs)
+    firsts = [runs[i]["method"] for i in range(0, len(runs), 3)]  # who went first in each group's calls
+    assert firsts == ["hf", "ar", "pld", "hf", "ar", "pld"]
+    with pytest.raises(ValueError, match="rounds"):
+        run_bench(dec, ["ar"], prompts, 4, progress=False, rounds=0)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_run_bench_ignore_eos_runs_every_row_to_the_end(temperature):
     """--ignore-eos: with the target's EOS set to a token its greedy replies emit early, every method (transformers'
