@@ -247,8 +247,8 @@ def speculative_generate(
         going = [not out.done[i] for i in live]
         if tree.size == 1 and not drafter.per_node:
             # Nothing drafted (a governed plain step, or no row found a draft): `ar`'s step, the same draw from the
-            # same generator (so a generation that never drafts is `ar`'s, sampled too), at 0.5 ms less host time
-            # than the tree verifier's (4 rows, 37 ms steps).
+            # same generator (so a generation that never drafts is `ar`'s, sampled too), at 0.4 ms less host time
+            # than the tree verifier's (2.38 -> 2.01 ms a step; 4 rows, T = 1, 33-37 ms steps).
             step = StepOutcome.plain(verifier.first_token(logits[:, 0]), going)
         else:
             verdict = verifier.verify(tree, logits, per_node=drafter.per_node)
