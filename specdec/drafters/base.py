@@ -20,7 +20,8 @@ class Drafter:
     Drafters with ``needs_hidden`` condition on the target's last hidden state: the decode loop then
     hands them, through :meth:`add_hidden`, the state of every position the target commits. Drafters
     with ``per_node`` learn from what the target wanted at every node: the decode loop then verifies
-    with per-node outputs and hands the result to :meth:`observe_verdict` before :meth:`update`.
+    with per-node outputs and hands the result to :meth:`observe_verdict` before :meth:`update` (the loop
+    reads ``per_node`` after each :meth:`propose`, so a drafter may say it per step).
     """
 
     draft_calls: int = 0

@@ -154,8 +154,6 @@ class OuroborosDrafter(Drafter):
     pool_file: where :meth:`finish` saves the pool; seed: the window's first guesses.
     """
 
-    per_node = True  # learns from the target's output at every node (part 3)
-
     def __init__(self, base: DraftModelDrafter, sampling: SamplingConfig, pool: PhrasePool, gamma: int = 3, k: int = 3,
                  window: int = 4, level: int = 3, n_verify: int = 4, lookahead: bool = True, lengthen: bool = True,
                  verification: bool = True, history: bool = True, context: bool = False, attach: str = "last",
@@ -205,6 +203,12 @@ class OuroborosDrafter(Drafter):
                 "from_window": 0, "from_verification": 0, "corrections": 0, "from_context": 0}
 
     # ---- Drafter interface ----------------------------------------------------------------------
+
+    @property
+    def per_node(self) -> bool:
+        """Whether the step just proposed learns from the target's output at every node (part 3): not one that drafted
+        for no row (a governed plain step), which the decode loop then verifies as `ar`'s step."""
+        return any(t is not None for t in self._tries)
 
     @property
     def draft_nodes(self) -> int:
