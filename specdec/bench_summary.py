@@ -7,21 +7,13 @@ from __future__ import annotations
 import platform
 
 from specdec.counters import add_counters
+from specdec.cpuinfo import cpu_fields
 
 
 def cpu_name() -> str:
     """The CPU's model name and the matrix instructions that set its bf16 speed, e.g. ``AMD EPYC (AVX-512 BF16, no
     AMX)``: bench files record it, since runs on other CPUs are not comparable."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-                if "model name" in fields and "flags" in fields:
-                    break
-    except OSError:
-        pass
+    fields = cpu_fields()
     name, flags = fields.get("model name") or platform.processor() or platform.machine(), set(fields.get("flags", "").split())
     if not flags:
         return name

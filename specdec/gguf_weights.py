@@ -24,7 +24,7 @@ from torch import nn
 from specdec.gguf_blocks import AffineCodes, decode_blocks
 from specdec.kernels import has_native
 from specdec.kernels.quant import QuantWeight, pack_quant_weight, quant_linear
-from specdec.linear import SkinnyLinear, cpu_has_matrix_tiles
+from specdec.linear import SkinnyLinear, cpu_has_matrix_tiles, cpu_widens_prompts, widened_linear
 
 WEIGHTS = ("auto", "gguf", "dense")
 
@@ -63,6 +63,7 @@ class QuantLinear(SkinnyLinear):
     quant_max_rows: int = QUANT_MAX_ROWS
     dense: bool = False
     native: bool = False
+    widen_prompts: bool = False  # products past quant_max_rows widened to fp32 (specdec.linear.cpu_widens_prompts)
 
     @classmethod
     def from_quant(cls, linear: nn.Linear, qweight: QuantWeight, max_rows: int = QUANT_MAX_ROWS) -> "QuantLinear":
@@ -75,6 +76,7 @@ class QuantLinear(SkinnyLinear):
         new.quant_max_rows = max_rows
         new.dense = False  # on the instance, as dense_weights() sets it: a saved compiled graph guards its value
         new.native = has_native("quant_linear")  # loads specdec._C, which registers torch.ops.specdec.quant_*
+        new.widen_prompts = cpu_widens_prompts(linear.weight.dtype)
         return new
 
     def extra_repr(self) -> str:
@@ -100,8 +102,11 @@ class QuantLinear(SkinnyLinear):
                 y = op(x.reshape(rows, k), q.packed, q.n, k, q.bits, q.group, q.has_min, q.f16_scale, self.bias)
                 return y.view(x.shape[:-1] + (q.n,))
             # A prompt: the dense weights through the kernel --linear chose (in fp32 they are the blocks' exact
-            # values; in bf16 their rounding). Rebuilding fp32 weights from the blocks for every prompt took 23% of
-            # `ar`'s time on a 2-core Xeon (bench/RESULTS.md, Weights as shipped).
+            # values; in bf16 their rounding), or widened to fp32 where that is faster. Rebuilding fp32 weights
+            # from the blocks for every prompt took 23% of `ar`'s time on a 2-core Xeon (bench/RESULTS.md,
+            # Weights as shipped).
+            if self.widen_prompts and rows > self.quant_max_rows and x.dtype == torch.bfloat16:
+                return widened_linear(x, self.weight, self.bias)
             return super().forward(x)
         if x.device == q.device:
             return quant_linear(x, q, self.bias)

@@ -166,3 +166,56 @@ def test_quant_rows_hand_over_to_the_tile_gemm_only_where_it_wins(monkeypatch):
         want = gguf_weights.AMX_QUANT_MAX_ROWS if tiles else gguf_weights.QUANT_MAX_ROWS
         assert rows == {"auto": want, "packed": gguf_weights.QUANT_MAX_ROWS, "torch": want}
         assert gguf_weights.default_quant_max_rows(auto, torch.float32) == gguf_weights.QUANT_MAX_ROWS
+
+
+@pytest.mark.parametrize("cpu,widens", [
+    ("intel avx512-bf16", True),  # pair dots no faster than its fp32 FMAs: the widened fp32 GEMM wins past ~100 rows
+    ("amd avx512-bf16", False),   # Zen 4: the packed kernel's pair dots keep prompts (measured to 1024 rows)
+    ("intel amx", False),         # torch's tile GEMM takes them
+    ("intel avx2", False),        # no half-precision instructions: the dense path widens on its own
+])
+def test_prompts_widen_only_on_cpus_whose_bf16_dots_are_no_faster(cpu, widens, monkeypatch):
+    import specdec.linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "cpu_has_half_gemm", lambda dtype: "avx2" not in cpu and dtype == torch.bfloat16)
+    monkeypatch.setattr(linear_mod, "cpu_has_matrix_tiles", lambda dtype: "amx" in cpu and dtype == torch.bfloat16)
+    monkeypatch.setattr(linear_mod, "cpu_is_intel", lambda: cpu.startswith("intel"))
+    linear_mod.cpu_widens_prompts.cache_clear()
+    try:
+        assert linear_mod.cpu_widens_prompts(torch.bfloat16) == widens
+        assert not linear_mod.cpu_widens_prompts(torch.float32)
+    finally:
+        linear_mod.cpu_widens_prompts.cache_clear()
+
+
+def test_a_widened_prompt_product_is_the_fp32_gemm_of_the_dense_bf16_weights(monkeypatch):
+    """With ``widen_prompts`` a bf16 product past the quantized kernel's rows goes through ``widened_linear`` (the
+    fp32 GEMM over the dense bf16 weights, rounded once: the bf16 model's product up to summation order); fewer rows
+    stay on the blocks, a layer without the flag keeps its dense path, and fp32 layers never get the flag."""
+    from specdec import gguf_weights
+    from specdec.linear import widened_linear
+
+    calls = []
+
+    def spy(x, weight, bias):
+        calls.append(x.shape[0])
+        return widened_linear(x, weight, bias)
+
+    monkeypatch.setattr(gguf_weights, "widened_linear", spy)
+    model, _ = quantized("llama")
+    assert not any(m.widen_prompts for m in model.modules() if isinstance(m, QuantLinear))  # fp32 at the swap
+    model = model.to(torch.bfloat16)
+    lin = next(m for m in model.modules() if isinstance(m, QuantLinear))
+    torch.manual_seed(0)
+    wide = torch.randn(lin.quant_max_rows + 7, lin.in_features).bfloat16()
+    few = wide[:5]
+    with torch.no_grad():
+        lin.widen_prompts = False
+        kept_wide, kept_few = lin(wide), lin(few)
+        assert calls == []
+        lin.widen_prompts = True
+        assert torch.equal(lin(wide), widened_linear(wide, lin.weight, lin.bias))
+        assert calls == [wide.shape[0]]
+        assert torch.equal(lin(few), kept_few) and calls == [wide.shape[0]]
+        torch.testing.assert_close(lin(wide), kept_wide, rtol=2e-2, atol=2e-2)  # the same bf16 product
+        torch.testing.assert_close(lin(wide).float(), wide.float() @ lin.weight.float().T, rtol=1e-2, atol=1e-2)
