@@ -354,13 +354,15 @@ def forward_split(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------
 
 MODEL_LINEARS = """The linear layers of one target forward over M rows, alone: every weight of the model through the packed
-kernel (``--kernels packed,torch``: also through torch's GEMM, ``F.linear``, on the same weights; ``quant``: the
-quantized-weight kernel over the GGUF's blocks as stored, csrc/quant_linear.cpp, with the bytes it reads).
+kernel (``--kernels packed,torch``: also through torch's GEMM, ``F.linear``, on the same weights; ``widened``: torch's
+fp32 GEMM on the weights widened per call, ``specdec.linear.widened_linear``; ``quant``: the quantized-weight kernel
+over the GGUF's blocks as stored, csrc/quant_linear.cpp, with the bytes it reads).
 
     OMP_NUM_THREADS=2 python -m bench.profile model-linears --dtype bf16 --rows 1,4,16,64 --kernels quant,packed,torch
 
     OMP_NUM_THREADS=1 python -m bench.profile model-linears --dtype bf16 --rows 1,2,4,5,6,8,12 --json out.json
     OMP_NUM_THREADS=1 python -m bench.profile model-linears --dtype bf16 --rows 4,6,7,8,16,32,64 --kernels packed,torch
+    OMP_NUM_THREADS=2 python -m bench.profile model-linears --dtype bf16 --rows 64,128,256,512 --kernels packed,widened
 
 A verification of M tree tokens multiplies M rows through every weight (SmolLM2-135M: 211 of them, 270 MB in bf16,
 read from DRAM once per forward). This times exactly that, without the model's other ops, best of ``--repeats``,
@@ -372,11 +374,12 @@ To compare two builds of the extension, run it once per build, alternating, a fe
 
 def model_linears(args: argparse.Namespace) -> None:
     from specdec.hub import load_model
+    from specdec.linear import widened_linear
 
     rows = [int(r) for r in args.rows.split(",")]
     kernels = args.kernels.split(",")
-    if not kernels or any(k not in ("packed", "torch", "quant") for k in kernels):
-        raise SystemExit(f"--kernels takes packed, torch and/or quant, got {args.kernels!r}")
+    if not kernels or any(k not in ("packed", "torch", "widened", "quant") for k in kernels):
+        raise SystemExit(f"--kernels takes packed, torch, widened and/or quant, got {args.kernels!r}")
     model, _ = load_model(args.model, args.dtype, linear="packed", weights="gguf" if "quant" in kernels else "dense")
     layers = specdec_linears(model)
     op = torch.ops.specdec.packed_linear
@@ -389,6 +392,8 @@ def model_linears(args: argparse.Namespace) -> None:
                 op(x, lin.packed_weight(), lin.out_features, lin.bias)
             elif kernel == "quant":
                 quant_call(x, lin.qweight, lin.bias)
+            elif kernel == "widened":
+                widened_linear(x, lin.weight, lin.bias)
             else:
                 torch.nn.functional.linear(x, lin.weight, lin.bias)
 
@@ -731,7 +736,7 @@ def parser() -> argparse.ArgumentParser:
     p = subcommand(subs, "model-linears", MODEL_LINEARS)
     p.add_argument("--rows", default="1,2,4,5,6,8,12")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--kernels", default="packed", help="packed and/or torch (F.linear on the same weights)")
+    p.add_argument("--kernels", default="packed", help="packed, torch (F.linear on the same weights), widened (the fp32 GEMM on widened weights) and/or quant")
     p.set_defaults(run=model_linears)
 
     p = subcommand(subs, "stream", STREAM, dtype=None)

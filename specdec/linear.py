@@ -78,9 +78,10 @@ def cpu_widens_prompts(dtype: torch.dtype) -> bool:
     """Whether ``dtype`` products over many rows (prompts) run fastest widened to fp32 (:func:`widened_linear`)
     where the half-precision instructions this CPU has are AVX-512-BF16 pair dot products, not AMX tiles, on an
     Intel CPU: there they run no faster than its fp32 FMAs, which torch's fp32 GEMM drives better than the packed
-    kernel. Intel Xeon (AVX-512-BF16, no AMX exposed), 2 threads, the 210 decoder weights of SmolLM2-135M over M
-    rows, ms, packed kernel / widened: 142.9 / 157.0 at 64, 262.0 / 213.5 at 128, 511.8 / 382.1 at 256, 1342 / 859
-    at 512; torch's own bf16 GEMM ran at 100 GFLOPS there, its fp32 GEMM at 195-255. On an AMD Zen 4 the pair dot
+    kernel. Intel Xeon (AVX-512-BF16, no AMX exposed), 2 threads, all 211 weights of SmolLM2-135M over M rows, ms,
+    packed kernel / widened: 128.3 / 146.3 at 64, 250.5 / 212.0 at 128, 490.5 / 363.7 at 256, 969.7 / 661.3 at 512
+    (bench/results/prompt_linears_widened_xeon_2t.json, ``bench.profile model-linears --kernels packed,widened``);
+    torch's own bf16 GEMM ran at 100 GFLOPS there, its fp32 GEMM at 195-255. On an AMD Zen 4 the pair dot
     products beat torch's bf16 GEMM to 1024 rows (:func:`cpu_has_bf16_dot`; the widened GEMM was not measured
     there), so nothing changes on other CPUs. Read by :class:`specdec.gguf_weights.QuantLinear` for the products
     too wide for its kernel; the dense path's limits (and so the bench's ``hf`` baseline) stay as they are."""
