@@ -66,9 +66,12 @@ class QuantLinear(SkinnyLinear):
     widen_prompts: bool = False  # products past quant_max_rows widened to fp32 (specdec.linear.cpu_widens_prompts)
 
     @classmethod
-    def from_quant(cls, linear: nn.Linear, qweight: QuantWeight, max_rows: int = QUANT_MAX_ROWS) -> "QuantLinear":
+    def from_quant(cls, linear: nn.Linear, qweight: QuantWeight, max_rows: int = QUANT_MAX_ROWS,
+                   widen_prompts: bool = True) -> "QuantLinear":
         """A QuantLinear sharing ``linear``'s Parameters (ties kept); its dense path is ``linear``'s (a
-        :class:`SkinnyLinear`'s kernel and limits, or torch's for a plain ``nn.Linear``)."""
+        :class:`SkinnyLinear`'s kernel and limits, or torch's for a plain ``nn.Linear``). widen_prompts: bf16
+        products past ``max_rows`` widen to fp32 where this CPU favours it (:func:`cpu_widens_prompts`); False keeps
+        them on the dense path's kernel (``--linear packed``: batch-invariant verification past ``max_rows``)."""
         skinny = isinstance(linear, SkinnyLinear)
         new = cls.from_linear(linear, linear.max_rows if skinny else 0, widen=linear.widen if skinny else False,
                               prepack=linear.prepack if skinny else False)
@@ -76,7 +79,7 @@ class QuantLinear(SkinnyLinear):
         new.quant_max_rows = max_rows
         new.dense = False  # on the instance, as dense_weights() sets it: a saved compiled graph guards its value
         new.native = has_native("quant_linear")  # loads specdec._C, which registers torch.ops.specdec.quant_*
-        new.widen_prompts = cpu_widens_prompts(linear.weight.dtype)
+        new.widen_prompts = widen_prompts and cpu_widens_prompts(linear.weight.dtype)
         return new
 
     def extra_repr(self) -> str:
@@ -247,7 +250,7 @@ def _mismatch(model: nn.Module, found: dict[str, AffineCodes]) -> str | None:
 
 
 def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int | None = None,
-                       check: bool = True) -> int:
+                       check: bool = True, widen_prompts: bool = True) -> int:
     """Swap the linear layers of ``model`` (loaded from ``gguf_path``) for :class:`QuantLinear` over the file's
     blocks, in place; returns the number swapped.
 
@@ -256,6 +259,8 @@ def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int | 
 
     check: require every decoded weight to equal the module's dense weight (rounded to its dtype), so the
     quantized forward computes the very model transformers loaded.
+
+    widen_prompts: as in :meth:`QuantLinear.from_quant`.
     """
     found = cached_gguf_codes(model, gguf_path)
     if check and _mismatch(model, found) is not None:
@@ -267,16 +272,17 @@ def apply_gguf_weights(model: nn.Module, gguf_path: str | Path, max_rows: int | 
         raise ValueError(f"GGUF weight for {name} ({found[name].qtype}) differs from the model's dense weight: "
                          f"the model was not loaded from {gguf_path}")
     for name, codes in found.items():
-        swap_in_quant(model, name, codes, max_rows)
+        swap_in_quant(model, name, codes, max_rows, widen_prompts)
     return len(found)
 
 
-def swap_in_quant(model: nn.Module, name: str, codes: AffineCodes, max_rows: int | None = None) -> None:
+def swap_in_quant(model: nn.Module, name: str, codes: AffineCodes, max_rows: int | None = None,
+                  widen_prompts: bool = True) -> None:
     """Replace the linear layer ``name`` of ``model`` by a :class:`QuantLinear` over ``codes`` (packed on the
-    layer's device), in place; ``max_rows`` as in :func:`apply_gguf_weights`."""
+    layer's device), in place; ``max_rows`` and ``widen_prompts`` as in :func:`apply_gguf_weights`."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     linear = getattr(parent, child)
     qweight = pack_quant_weight(codes, linear.weight.device)
     rows = default_quant_max_rows(linear, linear.weight.dtype) if max_rows is None else max_rows
-    setattr(parent, child, QuantLinear.from_quant(linear, qweight, rows))
+    setattr(parent, child, QuantLinear.from_quant(linear, qweight, rows, widen_prompts))

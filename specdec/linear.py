@@ -84,7 +84,8 @@ def cpu_widens_prompts(dtype: torch.dtype) -> bool:
     torch's own bf16 GEMM ran at 100 GFLOPS there, its fp32 GEMM at 195-255. On an AMD Zen 4 the pair dot
     products beat torch's bf16 GEMM to 1024 rows (:func:`cpu_has_bf16_dot`; the widened GEMM was not measured
     there), so nothing changes on other CPUs. Read by :class:`specdec.gguf_weights.QuantLinear` for the products
-    too wide for its kernel; the dense path's limits (and so the bench's ``hf`` baseline) stay as they are."""
+    too wide for its kernel (unless ``--linear packed`` or ``skinny`` asked for batch invariance); the dense path's
+    limits (and so the bench's ``hf`` baseline) stay as they are."""
     return cpu_has_half_gemm(dtype) and not cpu_has_matrix_tiles(dtype) and cpu_is_intel()
 
 

@@ -219,3 +219,21 @@ def test_a_widened_prompt_product_is_the_fp32_gemm_of_the_dense_bf16_weights(mon
         assert torch.equal(lin(few), kept_few) and calls == [wide.shape[0]]
         torch.testing.assert_close(lin(wide), kept_wide, rtol=2e-2, atol=2e-2)  # the same bf16 product
         torch.testing.assert_close(lin(wide).float(), wide.float() @ lin.weight.float().T, rtol=1e-2, atol=1e-2)
+
+
+def test_a_batch_invariant_linear_choice_keeps_wide_products_off_the_widened_gemm(monkeypatch):
+    """``widen_prompts=False`` (what ``load_model`` passes for ``--linear packed`` or ``skinny``) keeps every layer's
+    wide bf16 products on its dense kernel, where the CPU would widen them; the default follows the CPU rule."""
+    import copy
+
+    from specdec import gguf_weights
+
+    monkeypatch.setattr(gguf_weights, "cpu_widens_prompts", lambda dtype: dtype == torch.bfloat16)
+    dense, path = tiny_gguf("llama", 0)
+    dense = dense.to(torch.bfloat16)
+    flags = {}
+    for widen in (True, False):
+        model = copy.deepcopy(dense)
+        apply_gguf_weights(model, path, widen_prompts=widen)
+        flags[widen] = {m.widen_prompts for m in model.modules() if isinstance(m, QuantLinear)}
+    assert flags == {True: {True}, False: {False}}
