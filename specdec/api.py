@@ -121,7 +121,7 @@ class SpecDecoder:
             if draft_weights == "q8":
                 if isinstance(d, PreTrainedModel):  # the caller's module (perhaps the target itself) stays as given
                     dm = copy.deepcopy(dm)
-                quantize_draft(dm)
+                quantize_draft(dm, widen_prompts=linear != "packed")
             self.drafts[name] = (dm, ModelRunner(dm, compile=runner_compile))
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
         self.runner = ModelRunner(self.model, compile=runner_compile)

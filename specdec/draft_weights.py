@@ -31,16 +31,17 @@ def q8_codes(weight: torch.Tensor, group: int = GROUP) -> AffineCodes:
     return AffineCodes(codes, scale, None, 8, group, True, "q8_0")
 
 
-def quantize_draft(model: nn.Module) -> int:
+def quantize_draft(model: nn.Module, widen_prompts: bool = True) -> int:
     """Swap every linear layer of ``model`` whose input width is a multiple of :data:`GROUP` for a
     :class:`specdec.gguf_weights.QuantLinear` over its 8-bit codes, in place (dense Parameters kept: prompts
-    and gradients use them); returns the number swapped."""
+    and gradients use them); returns the number swapped. widen_prompts: as in
+    :meth:`specdec.gguf_weights.QuantLinear.from_quant` (False for ``--linear packed``)."""
     if not any(isinstance(m, nn.Linear) for m in model.modules()):
         raise ValueError("draft_weights='q8': the draft has no linear layers to quantize")
     swapped = 0
     for name, linear in list(model.named_modules()):
         if not isinstance(linear, nn.Linear) or isinstance(linear, QuantLinear) or linear.in_features % GROUP:
             continue
-        swap_in_quant(model, name, q8_codes(linear.weight))
+        swap_in_quant(model, name, q8_codes(linear.weight), widen_prompts=widen_prompts)
         swapped += 1
     return swapped

@@ -24,7 +24,7 @@ from torch import nn
 from specdec.gguf_blocks import AffineCodes, decode_blocks
 from specdec.kernels import has_native
 from specdec.kernels.quant import QuantWeight, pack_quant_weight, quant_linear
-from specdec.linear import SkinnyLinear, cpu_has_matrix_tiles, cpu_widens_prompts, widened_linear
+from specdec.linear import WIDEN_MIN_ROWS, SkinnyLinear, cpu_has_matrix_tiles, cpu_widens_prompts, widened_linear
 
 WEIGHTS = ("auto", "gguf", "dense")
 
@@ -63,15 +63,15 @@ class QuantLinear(SkinnyLinear):
     quant_max_rows: int = QUANT_MAX_ROWS
     dense: bool = False
     native: bool = False
-    widen_prompts: bool = False  # products past quant_max_rows widened to fp32 (specdec.linear.cpu_widens_prompts)
+    widen_prompts: bool = False  # bf16 products of WIDEN_MIN_ROWS rows or more widened to fp32 (cpu_widens_prompts)
 
     @classmethod
     def from_quant(cls, linear: nn.Linear, qweight: QuantWeight, max_rows: int = QUANT_MAX_ROWS,
                    widen_prompts: bool = True) -> "QuantLinear":
         """A QuantLinear sharing ``linear``'s Parameters (ties kept); its dense path is ``linear``'s (a
         :class:`SkinnyLinear`'s kernel and limits, or torch's for a plain ``nn.Linear``). widen_prompts: bf16
-        products past ``max_rows`` widen to fp32 where this CPU favours it (:func:`cpu_widens_prompts`); False keeps
-        them on the dense path's kernel (``--linear packed``: batch-invariant verification past ``max_rows``)."""
+        products of ``WIDEN_MIN_ROWS`` rows or more widen to fp32 where this CPU favours it (:func:`cpu_widens_prompts`);
+        False keeps them on the dense path's kernel (``--linear packed``: batch-invariant verification to its limit)."""
         skinny = isinstance(linear, SkinnyLinear)
         new = cls.from_linear(linear, linear.max_rows if skinny else 0, widen=linear.widen if skinny else False,
                               prepack=linear.prepack if skinny else False)
@@ -108,7 +108,7 @@ class QuantLinear(SkinnyLinear):
             # values; in bf16 their rounding), or widened to fp32 where that is faster. Rebuilding fp32 weights
             # from the blocks for every prompt took 23% of `ar`'s time on a 2-core Xeon (bench/RESULTS.md,
             # Weights as shipped).
-            if self.widen_prompts and rows > self.quant_max_rows and x.dtype == torch.bfloat16:
+            if self.widen_prompts and rows >= WIDEN_MIN_ROWS and x.dtype == torch.bfloat16:
                 return widened_linear(x, self.weight, self.bias)
             return super().forward(x)
         if x.device == q.device:

@@ -164,8 +164,8 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", device: str
     apply_linear_kernel(model, linear, device)
     if source is not None and weights != "dense":
         try:
-            # A kernel chosen for batch invariance (packed, skinny) keeps the products too wide for the blocks.
-            apply_gguf_weights(model, source, widen_prompts=linear not in ("packed", "skinny"))
+            # The kernel chosen for batch invariance (packed) keeps the products too wide for the blocks.
+            apply_gguf_weights(model, source, widen_prompts=linear != "packed")
         except ValueError as exc:  # e.g. a block type without a kernel: auto keeps the dense weights
             if weights == "gguf":
                 raise

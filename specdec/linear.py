@@ -9,7 +9,9 @@ tokens agrees bit for bit with one-token decoding through every linear layer. On
 ``--linear auto`` gives bf16 products over :data:`AMX_PACKED_MAX_ROWS` rows to torch's GEMM, which is
 faster there and not batch-invariant: a wide verification may then round differently from one-token steps
 in bf16 (never in fp32); ``--linear packed`` keeps the kernel, and bit-exact bf16, up to 64 rows (1024 on a CPU
-with AVX-512-BF16 and no AMX, where the kernel's pair dot products beat torch's GEMM up to there).
+with AVX-512-BF16 and no AMX, where the kernel's pair dot products beat torch's GEMM up to there). On an Intel CPU of
+that kind a GGUF model's products of :data:`WIDEN_MIN_ROWS` rows or more widen to fp32 under ``auto``
+(:func:`cpu_widens_prompts`): not batch-invariant either, and ``packed`` keeps them.
 
 Prefill has the opposite problem: a bf16/fp16 product over many rows on such a CPU is 3-6x slower
 than widening the weights to fp32 and calling the fp32 GEMM, so those calls are widened (where the
@@ -84,9 +86,13 @@ def cpu_widens_prompts(dtype: torch.dtype) -> bool:
     torch's own bf16 GEMM ran at 100 GFLOPS there, its fp32 GEMM at 195-255. On an AMD Zen 4 the pair dot
     products beat torch's bf16 GEMM to 1024 rows (:func:`cpu_has_bf16_dot`; the widened GEMM was not measured
     there), so nothing changes on other CPUs. Read by :class:`specdec.gguf_weights.QuantLinear` for the products
-    too wide for its kernel (unless ``--linear packed`` or ``skinny`` asked for batch invariance); the dense path's
+    of :data:`WIDEN_MIN_ROWS` rows or more (unless ``--linear packed`` asked for batch invariance); the dense path's
     limits (and so the bench's ``hf`` baseline) stay as they are."""
     return cpu_has_half_gemm(dtype) and not cpu_has_matrix_tiles(dtype) and cpu_is_intel()
+
+
+# Rows from which :func:`cpu_widens_prompts` widens: the packed kernel still won at 64 rows, the widened GEMM at 128.
+WIDEN_MIN_ROWS = 128
 
 
 @functools.lru_cache(maxsize=None)

