@@ -77,7 +77,7 @@ class QuantLinear(SkinnyLinear):
                               prepack=linear.prepack if skinny else False)
         new.qweight = qweight
         new.quant_max_rows = max_rows
-        new.dense = False  # on the instance, as dense_weights() sets it: a saved compiled graph guards its value
+        new.dense = False  # on the instance, as dense_weights() sets it (a compiled runner polls it before each call)
         new.native = has_native("quant_linear")  # loads specdec._C, which registers torch.ops.specdec.quant_*
         new.widen_prompts = widen_prompts and cpu_widens_prompts(linear.weight.dtype)
         return new

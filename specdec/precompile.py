@@ -94,7 +94,8 @@ def fingerprint(model: nn.Module, options: dict | None = None) -> str:
         getattr(model.config, "_attn_implementation", None))
     storage: dict[int, str] = {}
     for name, module in model.named_modules():
-        attrs = sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and _plain(v))
+        attrs = sorted((k, v) for k, v in vars(module).items()
+                       if not k.startswith("_") and _plain(v) and k not in POLLED_FLAGS)
         attrs += sorted((k, type(v).__qualname__, _plain_fields(v)) for k, v in vars(module).items()
                         if not k.startswith("_") and _is_record(v))
         tensors = []
@@ -168,9 +169,15 @@ def input_guard_filter(model: nn.Module):
     return keep_input_guards
 
 
-# Public attributes of submodules that change between calls, never pinned: eval()/train() and dense_weights().
-RUNTIME_FLAGS = frozenset({"training", "dense"})
+# Public attributes of submodules that change between calls, never pinned: eval()/train().
+RUNTIME_FLAGS = frozenset({"training"})
+# Public flags of submodules that change between calls but are polled by :class:`PrecompiledForward` before every
+# call instead of guarded: while any is set (dense_weights() on a QuantLinear) the call runs eagerly. A guard a
+# layer, 211 on SmolLM2, with their accessors half of the guard tree a graph checks before every call; polled, the
+# flags cost one Python read each.
+POLLED_FLAGS = frozenset({"dense"})
 _SUBMODULE_ATTR = re.compile(r"^self((?:\._modules\['[^']+'\])+)\.([A-Za-z]\w*)(?:\.([A-Za-z]\w*))?$")
+_SUBMODULE_SLOT = re.compile(r"^self((?:\._modules\['[^']+'\])+)\._(parameters|buffers)\['([^']+)'\]$")
 
 
 def _pinned(model: nn.Module, name: str) -> bool:
@@ -178,23 +185,49 @@ def _pinned(model: nn.Module, name: str) -> bool:
     attribute, or a public field of a dataclass it holds, that :func:`fingerprint` pins: its guard is then dropped.
     A SmolLM2 graph kept ~3,700 of them, 120 a layer; without them the guard check before every call went from
     2.2 to 1.55 ms on a Zen 3 (``bench.profile warm-start``), and a process starts 3 s sooner. An attribute that
-    changes between calls must be private or in :data:`RUNTIME_FLAGS`."""
+    changes between calls must be private or in :data:`RUNTIME_FLAGS` (kept) or :data:`POLLED_FLAGS` (dropped:
+    polled before every call instead). A parameter or buffer slot that is None (a layer without bias) is pinned too:
+    the fingerprint lists a module's tensors, so a tensor put there changes it."""
+    slot = _SUBMODULE_SLOT.match(name)
+    if slot is not None:
+        path, kind, key = slot.groups()
+        module = _submodule(model, path)
+        return module is not None and key in getattr(module, f"_{kind}") and getattr(module, f"_{kind}")[key] is None
     match = _SUBMODULE_ATTR.match(name)
     if match is None:
-        return False  # the model's own attributes, its config, private names, subscripts: kept
+        return False  # the model's own attributes, its config, private names, other subscripts: kept
     path, attr, field = match.groups()
     if attr in RUNTIME_FLAGS:
         return False
-    try:
-        module = model.get_submodule(".".join(re.findall(r"\['([^']+)'\]", path)))
-    except AttributeError:
+    module = _submodule(model, path)
+    if module is None:
         return False
+    if attr in POLLED_FLAGS:
+        return _is_flag(module, attr)
     if attr not in vars(module):
         return False  # a class attribute: the fingerprint reads only the instance's
     value = vars(module)[attr]
     if field is None:
         return _plain(value)
     return _is_record(value) and field in dict(_plain_fields(value))
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at a guard's ``._modules['model']._modules['layers']...`` path, or None."""
+    try:
+        return model.get_submodule(".".join(re.findall(r"\['([^']+)'\]", path)))
+    except AttributeError:
+        return None
+
+
+def _is_flag(module: nn.Module, name: str) -> bool:
+    """Whether ``module.name`` is a bool (a class default or the instance's own; not a submodule of that name)."""
+    return isinstance(getattr(module, name, None), bool)
+
+
+def _polled(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every (submodule, flag) of :data:`POLLED_FLAGS` that ``model`` has."""
+    return [(m, f) for m in model.modules() for f in POLLED_FLAGS if _is_flag(m, f)]
 
 
 def _external_data(model: nn.Module) -> dict[str, object]:
@@ -254,6 +287,7 @@ class PrecompiledForward:
         self.dropped = 0  # times check_model found the model changed and dropped the graphs
         self._fingerprint: str | None = None
         self._seen_state: tuple | None = None
+        self._polled: list[tuple[nn.Module, str]] = []
 
     def __deepcopy__(self, memo: dict) -> "PrecompiledForward":
         """A copy over the copied model, loading its graphs afresh (loaded graphs hold guard managers, which
@@ -277,11 +311,13 @@ class PrecompiledForward:
             self.dropped += 1
         else:
             self._seen_state = self._state()
+            self._polled = _polled(self.model)
 
     def _load(self) -> None:
         self._loaded = True
         self._fingerprint = fingerprint(self.model, self.options)
         self._seen_state = self._state()
+        self._polled = _polled(self.model)
         if self.directory is None:
             self.directory = _cache_dir() / self._fingerprint
         if not self.directory.is_dir():
@@ -332,6 +368,8 @@ class PrecompiledForward:
     def __call__(self, **kwargs):
         if not self._loaded:
             self._load()
+        if any(getattr(m, flag) for m, flag in self._polled):  # the graphs do not guard these flags
+            return self.model.forward(**kwargs)
         entry = self._hit(kwargs)
         if entry is None and self._waiting and self._read_ready():
             entry = self._hit(kwargs)

@@ -197,14 +197,62 @@ def test_pinned_attributes_follow_the_fingerprint():
     attn = "self._modules['model']._modules['layers']._modules['0']._modules['self_attn']"
     proj = attn + "._modules['q_proj']"
     llama.model.layers[0].self_attn.q_proj.record = Record(4, torch.zeros(1))
+    llama.model.layers[0].self_attn.q_proj.dense = False  # as a QuantLinear has it
     pinned = lambda name: precompile._pinned(llama, name)  # noqa: E731
     assert pinned(attn + ".layer_idx") and pinned(attn + ".head_dim") and pinned(proj + ".record.n")
-    assert not pinned(attn + ".training") and not pinned(proj + ".dense") and not pinned(attn + "._private")
+    assert not pinned(attn + ".training") and not pinned(attn + "._private")
+    assert pinned(proj + ".dense")  # polled before every call instead (PrecompiledForward)
+    assert pinned(proj + "._parameters['bias']") and not pinned(proj + "._parameters['weight']")  # None is pinned
     assert not pinned(proj + ".record.data")
     assert not pinned("self.config") and not pinned("self._reduced") and not pinned(attn + ".missing")
     before = precompile.fingerprint(llama)
+    llama.model.layers[0].self_attn.q_proj.dense = True
+    assert precompile.fingerprint(llama) == before
+    llama.model.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(llama.config.hidden_size))
+    assert precompile.fingerprint(llama) != before
+    del llama.model.layers[0].self_attn.q_proj.bias
+    llama.model.layers[0].self_attn.q_proj.register_parameter("bias", None)
+    assert precompile.fingerprint(llama) == before
     llama.model.layers[0].self_attn.q_proj.record.n = 5
     assert precompile.fingerprint(llama) != before
+
+
+def test_a_compiled_runner_under_dense_weights_runs_the_dense_weights(tmp_path, monkeypatch):
+    """The saved graphs do not guard the quantized layers' ``dense`` flags (211 guards on SmolLM2, half of the
+    guard tree checked before every call): the runner polls them, and while dense_weights() is on it runs eagerly,
+    on the dense weights, exactly as an eager runner does."""
+    from specdec.gguf_weights import dense_weights
+    from specdec.kernels import has_native
+    from specdec.model import ModelRunner
+    from specdec.tree import DraftTree
+
+    if not has_native("quant_linear"):
+        pytest.skip("needs the compiled extension")
+    from tests.test_gguf_weights import quantized
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECDEC_PRECOMPILE", raising=False)
+    model, _ = quantized("llama")
+    compiled, eager = ModelRunner(model, compile=True), ModelRunner(model)
+    assert isinstance(compiled._compiled, precompile.PrecompiledForward)
+    ids = torch.tensor([prompt_of(20, seed=4)])
+    tree = DraftTree.chain(torch.tensor([7]), torch.tensor([[11, 5]]))
+
+    def logits(runner):
+        runner.reset(1, 32)
+        runner.prefill(ids, torch.tensor([20]))
+        return runner.forward_tree(tree)[0]
+
+    quant = logits(compiled)
+    hits = compiled._compiled.hits
+    assert hits > 0
+    with dense_weights(model):
+        dense = logits(compiled)
+        assert compiled._compiled.hits == hits
+        torch.testing.assert_close(dense, logits(eager), rtol=0, atol=0)
+    assert not torch.equal(dense, quant)  # the two paths differ in their roundings: the check above can fail
+    torch.testing.assert_close(logits(compiled), quant, rtol=0, atol=0)
+    assert compiled._compiled.hits > hits
 
 
 def test_a_graph_traced_on_a_hooked_model_waits_for_the_hooks_of_the_loading_model(tmp_path, monkeypatch):
