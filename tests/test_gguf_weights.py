@@ -233,7 +233,7 @@ def test_a_batch_invariant_linear_choice_keeps_wide_products_off_the_widened_gem
 
     monkeypatch.setattr(gguf_weights, "cpu_widens_prompts", lambda dtype: dtype == torch.bfloat16)
     dense, path = tiny_gguf("llama", 0)
-    dense = dense.to(torch.bfloat16)
+    dense = copy.deepcopy(dense).to(torch.bfloat16)  # Module.to() converts in place: the cached model stays fp32
     flags = {}
     for widen in (True, False):
         model = copy.deepcopy(dense)
