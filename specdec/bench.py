@@ -176,13 +176,13 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
             raise ValueError("hf-assisted cannot drive a feature-conditioned (EAGLE) draft: transformers' assisted "
                              "generation does not hand it the target's hidden states; use sd")
     labels = ["hf"] + [m for m in labels if m != "hf"]
-    with dense_weights(dec.model):
+    dec.wait_compiled()  # compile="auto": every timed run takes one path (the summary's "path" says which)
+    with dense_weights(dec.model):  # after the background compile: no graph is traced while the flags are on
         dense_bytes = weight_bytes(dec.model)
     held_bytes = weight_bytes(dec.model)
     if config is not None:
         config = {**config, "weight_bytes": held_bytes, "dense_weight_bytes": dense_bytes,
                   "stream_bytes_per_s": stream_bandwidth()}
-    dec.wait_compiled()  # compile="auto": every timed run takes one path (the summary's "path" says which)
     target_calls = _CallCounter(dec.model, runners=[dec.runner])
     draft_calls = _CallCounter(*[m for m, _ in dec.drafts.values()], runners=[r for _, r in dec.drafts.values()])
 

@@ -177,7 +177,7 @@ RUNTIME_FLAGS = frozenset({"training"})
 # flags cost one Python read each.
 POLLED_FLAGS = frozenset({"dense"})
 _SUBMODULE_ATTR = re.compile(r"^self((?:\._modules\['[^']+'\])+)\.([A-Za-z]\w*)(?:\.([A-Za-z]\w*))?$")
-_SUBMODULE_SLOT = re.compile(r"^self((?:\._modules\['[^']+'\])+)\._(parameters|buffers)\['([^']+)'\]$")
+_SUBMODULE_SLOT = re.compile(r"^self((?:\._modules\['[^']+'\])+)\._(parameters)\['([^']+)'\]$")
 
 
 def _pinned(model: nn.Module, name: str) -> bool:
@@ -186,8 +186,9 @@ def _pinned(model: nn.Module, name: str) -> bool:
     A SmolLM2 graph kept ~3,700 of them, 120 a layer; without them the guard check before every call went from
     2.2 to 1.55 ms on a Zen 3 (``bench.profile warm-start``), and a process starts 3 s sooner. An attribute that
     changes between calls must be private or in :data:`RUNTIME_FLAGS` (kept) or :data:`POLLED_FLAGS` (dropped:
-    polled before every call instead). A parameter or buffer slot that is None (a layer without bias) is pinned too:
-    the fingerprint lists a module's tensors, so a tensor put there changes it."""
+    polled before every call instead). A parameter slot that is None (a layer without bias) is pinned too: the
+    fingerprint and the runner's model check (:meth:`PrecompiledForward.check_model`) list a module's parameters, so
+    a tensor put there is seen (buffers are not in that check: their None slots keep their guards)."""
     slot = _SUBMODULE_SLOT.match(name)
     if slot is not None:
         path, kind, key = slot.groups()
@@ -368,7 +369,7 @@ class PrecompiledForward:
     def __call__(self, **kwargs):
         if not self._loaded:
             self._load()
-        if any(getattr(m, flag) for m, flag in self._polled):  # the graphs do not guard these flags
+        if self._flags_on():  # the graphs do not guard these flags
             return self.model.forward(**kwargs)
         entry = self._hit(kwargs)
         if entry is None and self._waiting and self._read_ready():
@@ -386,6 +387,8 @@ class PrecompiledForward:
                 warnings.warn(f"ahead-of-time compile of {type(self.model).__name__} failed ({exc!r}); compiling it "
                               "in process instead", stacklevel=2)
             else:
+                if entry is None:
+                    return self.model.forward(**kwargs)
                 self.captured += 1
                 self.capture_seconds += time.perf_counter() - start
                 self._entries.insert(0, entry)
@@ -394,6 +397,10 @@ class PrecompiledForward:
         if self._jit is None:
             self._jit = torch.compile(self.model.forward, dynamic=True, options=self.options)
         return self._jit(**kwargs)
+
+    def _flags_on(self) -> bool:
+        """Whether any :data:`POLLED_FLAGS` flag of the model is set (one Python read a flag)."""
+        return any(getattr(m, flag) for m, flag in self._polled)
 
     def _hit(self, kwargs: dict):
         """The loaded or captured graph whose guards pass for this call, or None."""
@@ -417,6 +424,8 @@ class PrecompiledForward:
         # KV buffers' sizes; measured, C++ saved little: the per-module guards below were the cost).
         with torch._dynamo.config.patch(specialize_float=True, enable_cpp_symbolic_shape_guards=True):
             entry = self._compiler.aot_compile(((), kwargs))
+        if self._flags_on():  # set while tracing (dense_weights() in another thread): the graph may have read it
+            return None
         self._save(entry)
         return entry
 

@@ -1,6 +1,8 @@
 """The bench harness on tiny models: every method, including transformers' assisted generation."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from specdec.api import SpecDecoder
@@ -94,7 +96,7 @@ def test_run_bench_ignore_eos_runs_every_row_to_the_end(temperature):
     from specdec.api import hf_generate
     from specdec.verify import SamplingConfig
 
-    target = tiny_model("llama")
+    target = copy.deepcopy(tiny_model("llama"))  # its generation config's EOS changes below: not the cached model
     dec = SpecDecoder(target, draft=perturbed(target, 0.6))
     prompts = [Prompt(f"p{n}", "cat", prompt_of(n, seed=n)) for n in (5, 14, 9)]
     eos = hf_generate(target, prompts[0].ids, 3, SamplingConfig())[1]

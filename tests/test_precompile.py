@@ -254,6 +254,27 @@ def test_a_compiled_runner_under_dense_weights_runs_the_dense_weights(tmp_path, 
     torch.testing.assert_close(logits(compiled), quant, rtol=0, atol=0)
     assert compiled._compiled.hits > hits
 
+    # A flag set while a graph is traced (dense_weights() entered by another thread): the graph is dropped, not saved.
+    layer = next(m for m in model.modules() if hasattr(m, "qweight"))
+
+    class Tracer:
+        def aot_compile(self, *args):
+            layer.dense = True
+            return object()
+
+    late = ModelRunner(model, compile=True)
+    late._compiled._compiler = Tracer()
+    monkeypatch.setattr(precompile.PrecompiledForward, "_save", _refuse)
+    late._compiled._load()
+    late._compiled._entries.clear()  # as if nothing were saved: the call captures
+    try:
+        assert torch.isfinite(logits(late)).all()  # the call ran eagerly
+        assert layer.dense
+    finally:
+        layer.dense = False
+    assert late._compiled._failed is None  # _save (refused here) was never called
+    assert late._compiled.captured == 0 and not late._compiled._entries
+
 
 def test_a_graph_traced_on_a_hooked_model_waits_for_the_hooks_of_the_loading_model(tmp_path, monkeypatch):
     """transformers marks a model the first time a forward asks for hidden states; a graph traced after that reads
