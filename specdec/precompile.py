@@ -177,7 +177,7 @@ RUNTIME_FLAGS = frozenset({"training"})
 # flags cost one Python read each.
 POLLED_FLAGS = frozenset({"dense"})
 _SUBMODULE_ATTR = re.compile(r"^self((?:\._modules\['[^']+'\])+)\.([A-Za-z]\w*)(?:\.([A-Za-z]\w*))?$")
-_SUBMODULE_SLOT = re.compile(r"^self((?:\._modules\['[^']+'\])+)\._(parameters)\['([^']+)'\]$")
+_SUBMODULE_PARAM = re.compile(r"^self((?:\._modules\['[^']+'\])+)\._parameters\['([^']+)'\]$")
 
 
 def _pinned(model: nn.Module, name: str) -> bool:
@@ -189,11 +189,11 @@ def _pinned(model: nn.Module, name: str) -> bool:
     polled before every call instead). A parameter slot that is None (a layer without bias) is pinned too: the
     fingerprint and the runner's model check (:meth:`PrecompiledForward.check_model`) list a module's parameters, so
     a tensor put there is seen (buffers are not in that check: their None slots keep their guards)."""
-    slot = _SUBMODULE_SLOT.match(name)
-    if slot is not None:
-        path, kind, key = slot.groups()
+    param = _SUBMODULE_PARAM.match(name)
+    if param is not None:
+        path, key = param.groups()
         module = _submodule(model, path)
-        return module is not None and key in getattr(module, f"_{kind}") and getattr(module, f"_{kind}")[key] is None
+        return module is not None and key in module._parameters and module._parameters[key] is None
     match = _SUBMODULE_ATTR.match(name)
     if match is None:
         return False  # the model's own attributes, its config, private names, other subscripts: kept
