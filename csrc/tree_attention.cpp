@@ -17,6 +17,11 @@
 // of 16 keys, and values are read in place (fp32, or one row block) or widened once into panels.
 // On AVX-512, tasks of few rows (decode steps, small trees) skip the panels: see "Few rows" below.
 // Every product accumulates in fp32, probabilities included.
+//
+// Key splits (flash-decoding): a decode step has few tasks (one row, one query: one per kv head, 3 for
+// SmolLM2), which two threads share 2:1. Where the tasks do not divide among the threads, each task's
+// prefix is cut into key ranges run as tasks of their own; each leaves its running max, sum and
+// unnormalized accumulator, and a merge pass combines them (the same log-sum-exp merge as between chunks).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -43,6 +48,7 @@ constexpr int64_t kChunk = 256;     // keys per chunk: their fp32 panels (kChunk
 constexpr int64_t kMinRows = 12;    // rows (heads x queries) worth a task of their own (two row blocks)
 constexpr int64_t kMaxRows = 256;   // cap on rows per task (buffers)
 constexpr int64_t kTasksPerThread = 4;
+constexpr int64_t kMinSplitKeys = 128;  // prefix keys per key split, at least
 // Tasks of at most this many rows (query heads x queries) take the direct paths on AVX-512. In a sweep of
 // 8, 16, 32 and 64 (processes alternating, 1-64 queries at one row and 16 rows, Xeon, two threads;
 // bench/results/tree_attention_direct_rows_sweep.jsonl) 32 was as fast as or faster than 8 and 16 throughout.
@@ -204,6 +210,8 @@ struct Args {
   int64_t window;        // 0: none
   float scale;
   int64_t direct_rows;   // tasks of at most this many rows take the direct paths (0: never)
+  int64_t splits;        // key ranges per (row, kv head, query block); 1: none
+  float* part;           // splits > 1: [B * Hkv * blocks, splits, G * tb, 2 + D] running max, sum, accumulator
   void* out;             // [B, Hq, T, D] contiguous
 };
 
@@ -505,9 +513,11 @@ SPECDEC_INLINE void attend_segment(Task& w, const Args& a, const Segment<scalar_
   for (int64_t c0 = seg.v0; c0 < seg.v1; c0 += kChunk) chunk(w, a, seg, c0, std::min(kChunk, seg.v1 - c0));
 }
 
+// Task `item` of the parallel loop: query block item / splits, key split item % splits.
 template <typename scalar_t>
 SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
-  Task w(a, item);
+  const int64_t split = item % a.splits;
+  Task w(a, item / a.splits);
   if (w.tb == 0) return;
   const int64_t b = w.b, hk = w.hk, t0 = w.t0, tb = w.tb, G = a.G, D = a.D;
 
@@ -545,14 +555,28 @@ SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
   const auto* vc = static_cast<const scalar_t*>(a.vc) + b * a.svc.b + hk * a.svc.h;
   const auto* kt = static_cast<const scalar_t*>(a.kt) + b * a.skt.b + hk * a.skt.h;
   const auto* vt = static_cast<const scalar_t*>(a.vt) + b * a.svt.b + hk * a.svt.h;
+  // This split's prefix keys [from, to) (16-key aligned); the last split also takes the pending keys.
+  const int64_t per = round_up((L - lo + a.splits - 1) / a.splits, 16);
+  const int64_t from = std::min(L, lo + split * per), to = std::min(L, lo + (split + 1) * per);
+  const bool last = split == a.splits - 1;
   const bool joined = a.skc.t == a.skt.t && a.svc.t == a.svt.t && kc + L * a.skc.t == kt && vc + L * a.svc.t == vt;
-  if (joined) {
-    attend_segment(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, lo, L + hi, L});
+  if (joined && last) {
+    attend_segment(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, from, L + hi, L});
   } else {
-    attend_segment(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, lo, L, L});
-    attend_segment(w, a, Segment<scalar_t>{kt, vt, a.skt.t, a.svt.t, 0, hi, 0});
+    attend_segment(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, from, to, L});
+    if (last) attend_segment(w, a, Segment<scalar_t>{kt, vt, a.skt.t, a.svt.t, 0, hi, 0});
   }
 
+  if (a.splits > 1) {  // leave the running state for the merge
+    float* part = a.part + item * a.G * a.tb * (2 + D);  // item = block * splits + split
+    for (int64_t r = 0; r < w.M; ++r) {
+      float* dst = part + r * (2 + D);
+      dst[0] = w.m[r];
+      dst[1] = w.l[r];
+      std::memcpy(dst + 2, w.acc + r * w.Dp, D * sizeof(float));
+    }
+    return;
+  }
   auto* out = static_cast<scalar_t*>(a.out);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < tb; ++i) {
@@ -577,13 +601,60 @@ void attend_base(const Args& a, int64_t item) {
   attend_block<scalar_t>(a, item);
 }
 
+// out for query block `item` from its key splits' running states: with M_s, l_s, acc_s per split and
+// M = max M_s, out = sum_s e^(M_s - M) acc_s / sum_s e^(M_s - M) l_s (zeros where no key was visible).
+template <typename scalar_t>
+void merge_splits(const Args& a, int64_t item) {
+  const int64_t b = item / (a.Hkv * a.blocks), hk = (item / a.blocks) % a.Hkv, t0 = (item % a.blocks) * a.tb;
+  const int64_t tb = std::max<int64_t>(0, std::min(a.T, t0 + a.tb) - t0), D = a.D, rows = a.G * a.tb;
+  const float* part = a.part + item * a.splits * rows * (2 + D);
+  std::vector<float> acc(D);
+  auto* out = static_cast<scalar_t*>(a.out);
+  for (int64_t g = 0; g < a.G; ++g)
+    for (int64_t i = 0; i < tb; ++i) {
+      const int64_t r = g * tb + i;
+      float m = kNegInf;
+      for (int64_t s = 0; s < a.splits; ++s) m = std::max(m, part[(s * rows + r) * (2 + D)]);
+      float l = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t s = 0; m != kNegInf && s < a.splits; ++s) {
+        const float* src = part + (s * rows + r) * (2 + D);
+        if (src[0] == kNegInf) continue;
+        const float c = std::exp(src[0] - m);
+        l += c * src[1];
+        for (int64_t d = 0; d < D; ++d) acc[d] += c * src[2 + d];
+      }
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      scalar_t* dst = out + ((b * a.Hq + hk * a.G + g) * a.T + t0 + i) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+    }
+}
+
 template <typename scalar_t>
 void run(const Args& a) {
   using Fn = void (*)(const Args&, int64_t);
   const Fn fn = simd::pick<Fn>(attend_avx512<scalar_t>, attend_avx2<scalar_t>, attend_base<scalar_t>);
-  at::parallel_for(0, a.B * a.Hkv * a.blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = a.B * a.Hkv * a.blocks;
+  at::parallel_for(0, blocks * a.splits, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) fn(a, item);
   });
+  if (a.splits == 1) return;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) merge_splits<scalar_t>(a, item);
+  });
+}
+
+// Key splits per query block: 1 where the tasks already divide among the threads (or are many), else the
+// fewest that make the task count a multiple of the thread count, each split at least kMinSplitKeys of the
+// longest row's prefix; $SPECDEC_ATTENTION_KEY_SPLITS overrides (A/B runs, tests).
+int64_t key_splits(int64_t tasks, int64_t keys, int64_t threads) {
+  const char* env = std::getenv("SPECDEC_ATTENTION_KEY_SPLITS");
+  if (env && *env) return std::max<int64_t>(1, std::atoll(env));
+  if (threads <= 1 || tasks % threads == 0 || tasks >= kTasksPerThread * threads) return 1;
+  const int64_t most = keys / kMinSplitKeys;
+  for (int64_t s = 2; s <= most; ++s)
+    if (tasks * s % threads == 0) return s;
+  return std::max<int64_t>(1, std::min(most, (kTasksPerThread * threads + tasks - 1) / tasks));
 }
 
 // Query blocks per (row, kv head): each block at least kMinRows tall (when T allows) and
@@ -675,6 +746,14 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache_
   a.window = window.value_or(0);
   a.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
   a.direct_rows = direct_row_limit();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, a.lens[b]);
+  a.splits = key_splits(B * Hkv * a.blocks, longest, at::get_num_threads());
+  at::Tensor part;
+  if (a.splits > 1) {
+    part = at::empty({B * Hkv * a.blocks * a.splits * a.G * a.tb * (2 + D)}, q_in.options().dtype(at::kFloat));
+    a.part = part.mutable_data_ptr<float>();
+  }
   a.out = out.mutable_data_ptr();
   if (dtype == at::kFloat) {
     run<float>(a);

@@ -163,6 +163,40 @@ def test_tree_attention_long_prefix(dtype, d, t, window):
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("joined", [False, True])
+def test_tree_attention_key_splits(monkeypatch, splits, dtype, t, window, joined):
+    """Prefixes cut into key ranges merged afterwards (decode steps whose few tasks do not divide among the
+    threads; forced here on one thread): ragged rows, one with an empty prefix, splits with no visible key
+    (the window), a tree operand in its own buffer or following the prefix in the cache's."""
+    monkeypatch.setenv("SPECDEC_ATTENTION_KEY_SPLITS", str(splits))
+    b, hkv, ratio, d, s = 3, 3, 3, 64, 640
+    cache_lens = [600, 0, 257]
+    parents = [[-1] + [(i - 1) // 2 for i in range(1, t)], list(range(-1, t - 1)), list(range(-1, t - 1))]
+    q, k_cache, v_cache, lens, k_tree, v_tree, vis, mask, positions = build_attention(
+        b, hkv, ratio, d, t, s, cache_lens, parents, dtype, 11 * splits + t)
+    pos_t = torch.tensor(positions, dtype=torch.int64)
+    want = naive_tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, vis, positions, window)
+    if joined:  # one row's tree right after its prefix in one buffer: the runtime's layout when rows are even
+        b, cache_lens = 1, cache_lens[:1]
+        q, lens, mask, pos_t, want = q[:1], lens[:1], mask[:1], pos_t[:1], want[:1]
+        kc = torch.cat([k_cache[:1, :, :600], k_tree[:1]], dim=2)
+        vc = torch.cat([v_cache[:1, :, :600], v_tree[:1]], dim=2)
+        k_cache, v_cache, k_tree, v_tree = kc, vc, kc[:, :, 600:], vc[:, :, 600:]
+    got = K.tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, mask,
+                           tree_positions=pos_t if window else None, window=window)
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    monkeypatch.setenv("SPECDEC_ATTENTION_KEY_SPLITS", "1")
+    unsplit = K.tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, mask,
+                               tree_positions=pos_t if window else None, window=window)
+    torch.testing.assert_close(got, unsplit, **TOL[dtype])
+    if dtype == torch.float32:  # the split path ran: its sums round differently from one pass over the keys
+        assert not torch.equal(got[0], unsplit[0])
+
+
 def test_tree_attention_none_mask_is_causal_chain():
     b, hkv, ratio, d, t, s = 3, 2, 4, 16, 9, 12
     cache_lens = [0, 5, 12]
