@@ -3,7 +3,8 @@
 Modules read a switch through :func:`get`, which refuses an undeclared name, so :data:`SWITCHES` is the whole
 list (``tests/test_imports.py`` checks that no other module reads a ``SPECDEC_*`` variable itself). The one
 exceptions are :mod:`specdec.kernels`, which engines import with torch alone and which reads its two switches
-(``SPECDEC_BACKEND``, ``SPECDEC_REQUIRE_EXT``) directly, and the C++ extension (``SPECDEC_ATTENTION_DIRECT_ROWS``);
+(``SPECDEC_BACKEND``, ``SPECDEC_REQUIRE_EXT``) directly, and the C++ extension (``SPECDEC_ATTENTION_DIRECT_ROWS``,
+``SPECDEC_ATTENTION_KEY_SPLITS``);
 they are declared here all the same.
 This module imports nothing but the standard library.
 """
@@ -30,6 +31,10 @@ SWITCHES: dict[str, str] = {
     "SPECDEC_ATTENTION_DIRECT_ROWS": "the row limit (query heads x queries) up to which the C++ tree-attention "
                                      "kernel skips its key panels, on any CPU; 0 forces the panels (default: 32 "
                                      "with AVX-512, else 0; read by csrc/tree_attention.cpp at each call)",
+    "SPECDEC_ATTENTION_KEY_SPLITS": "key ranges per task of the C++ tree-attention kernel, merged afterwards; 1: "
+                                    "none (default: splits only where a call's tasks do not divide among the "
+                                    "threads and the prefix has 256+ keys; read by csrc/tree_attention.cpp at each "
+                                    "call)",
     "SPECDEC_BACKEND": "the kernels' backend: auto, native, triton or torch (torch: the references everywhere; "
                        "default auto)",
     "SPECDEC_REQUIRE_EXT": "set: fail when the compiled extension specdec._C does not load, instead of falling "
