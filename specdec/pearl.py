@@ -256,7 +256,12 @@ def pearl_generate(
         tested_all = accepted_all = emitted_all = 0
         new_pending: list[list[int]] = [[] for _ in range(b)]
         new_q: list[SparseProbs | None] = [None] * b
-        if logits is not None:
+        if logits is not None and all(verify_row) and not any(run) and not any(use_window):
+            # Every row verifies its root alone (a plain round with nothing pending): `ar`'s step, the same draw
+            # from the same generator, without the chain verifier's host time (1.9 ms a round sampled, one row).
+            emitted_all = _plain_round(target, state, out, verifier.first_token(logits[:, 0]), live, stats)
+            rounds.bonus += b
+        elif logits is not None:
             chains = []
             for r in range(b):
                 chain = list(run[r])
@@ -321,6 +326,20 @@ def pearl_generate(
         stats.drafter["governor"] = governor.summary()
     stats.total_s = time.perf_counter() - t0
     return DecodeResult(out.tokens, stats)
+
+
+def _plain_round(target: ModelRunner, state, out, token: torch.Tensor, live: list[int], stats: DecodeStats) -> int:
+    """Commit a round in which every row verified its root alone: ``token [B]`` its next token per row. Returns
+    the tokens emitted (one a row)."""
+    b = token.shape[0]
+    ones = torch.ones(b, dtype=torch.int64, device=token.device)
+    target.commit(torch.zeros(b, 1, dtype=torch.int64, device=token.device), ones, True, [1] * b)
+    state.append(token)
+    for r, t in enumerate(token.tolist()):
+        out.add(live[r], [t])
+        stats.accept_lengths.append(0)
+    stats.steps += 1
+    return b
 
 
 def _window_tail(win, r: int, start: int, depth: int) -> tuple[list[int], SparseProbs | None]:

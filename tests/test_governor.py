@@ -374,7 +374,7 @@ def test_govern_option_turns_it_off():
         dec.generate_ids([prompt], "pld", 20, GREEDY, govern=2)
 
 
-@pytest.mark.parametrize("method", ["pld", "ngrammys", "sd", "ouroboros"])
+@pytest.mark.parametrize("method", ["pld", "ngrammys", "sd", "ouroboros", "pearl"])
 def test_a_sampled_generation_that_never_drafts_is_ars(method):
     """A plain step is `ar`'s step: the same draw from the same generator, so with the same seed a generation whose
     governor never lets it draft samples `ar`'s tokens (a ragged batch)."""
