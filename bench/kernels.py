@@ -216,34 +216,56 @@ def tree_sdpa_case(b: int, s: int, t: int, dtype: torch.dtype) -> Case:
 
 
 DIRECT_ROWS = "SPECDEC_ATTENTION_DIRECT_ROWS"
+KEY_SPLITS = "SPECDEC_ATTENTION_KEY_SPLITS"
+
+
+def _with_switch(name: str, value: str | None, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with the extension's switch ``$name`` set to ``value`` (None: unset) for the call, then restored
+    (both sides of an A/B pay the same environment writes)."""
+    def run():
+        outer = os.environ.get(name)
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if outer is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = outer
+    return run
+
+
+def _chain_attention(b: int, s: int, t: int, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """The native kernel on ``b`` rows of ``s`` cached tokens and a causal chain of ``t`` (a decode step at t = 1)."""
+    q, kv_k, kv_v, lens = _batch_attention_inputs(b, s, t, dtype, torch.Generator().manual_seed(0))
+    mask = K.pack_mask(torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, t, t)) if t > 1 else None
+    native = K.native_ops().tree_attention
+    return lambda: native(q, kv_k[:, :, :s], kv_v[:, :, :s], lens, kv_k[:, :, s:], kv_v[:, :, s:], mask)
 
 
 def tree_attention_paths_case(b: int, s: int, t: int, dtype: torch.dtype) -> Case:
     """The CPU kernel's two paths on one input: tasks of up to 32 rows without key panels (the AVX-512 default,
     ``SPECDEC_ATTENTION_DIRECT_ROWS=32``) against every task through them (``=0``).
     ``b`` rows of ``s`` cached tokens and a causal chain of ``t`` (a batched decode step at ``t = 1``)."""
-    q, kv_k, kv_v, lens = _batch_attention_inputs(b, s, t, dtype, torch.Generator().manual_seed(0))
-    mask = K.pack_mask(torch.tril(torch.ones(t, t, dtype=torch.bool)).expand(b, t, t)) if t > 1 else None
-    native, outer = K.native_ops().tree_attention, os.environ.get(DIRECT_ROWS)
-
-    def with_rows(rows: str):
-        """The kernel with ``$SPECDEC_ATTENTION_DIRECT_ROWS`` set to ``rows`` for the call, then restored (both
-        sides pay the same two environment writes)."""
-        def run():
-            os.environ[DIRECT_ROWS] = rows
-            try:
-                return native(q, kv_k[:, :, :s], kv_v[:, :, :s], lens, kv_k[:, :, s:], kv_v[:, :, s:], mask)
-            finally:
-                if outer is None:
-                    del os.environ[DIRECT_ROWS]
-                else:
-                    os.environ[DIRECT_ROWS] = outer
-        return run
-
-    direct, panels = with_rows("32"), with_rows("0")
+    attend = _chain_attention(b, s, t, dtype)
+    direct, panels = _with_switch(DIRECT_ROWS, "32", attend), _with_switch(DIRECT_ROWS, "0", attend)
     torch.testing.assert_close(direct().float(), panels().float(), atol=2e-2, rtol=2e-2)
     name = str(dtype).replace("torch.", "")
     return Case("tree_attention", f"B={b} S={s} T={t} {name}: direct", direct, panels, f"key panels ({DIRECT_ROWS}=0)")
+
+
+def tree_attention_splits_case(s: int, dtype: torch.dtype) -> Case:
+    """A one-row decode step over ``s`` cached tokens (3 tasks, one per kv head): the kernel's default, which cuts
+    the keys into ranges where the tasks do not divide among the threads, against no cut
+    (``SPECDEC_ATTENTION_KEY_SPLITS=1``). Both are the same call on one thread."""
+    attend = _chain_attention(1, s, 1, dtype)
+    split, whole = _with_switch(KEY_SPLITS, None, attend), _with_switch(KEY_SPLITS, "1", attend)
+    torch.testing.assert_close(split().float(), whole().float(), atol=2e-2, rtol=2e-2)
+    name = str(dtype).replace("torch.", "")
+    return Case("tree_attention", f"B=1 S={s} T=1 {name}: key splits", split, whole, f"no splits ({KEY_SPLITS}=1)")
 
 
 def _ancestors(parents: torch.Tensor) -> torch.Tensor:
@@ -310,6 +332,8 @@ CASES: list[tuple[str, Callable[[], Case]]] = [
     *((f"tree_attention_paths-B{b}-T{t}-{name}", functools.partial(tree_attention_paths_case, b, s, t, dt))
       for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))
       for b, s, t in ((16, 400, 1), (16, 400, 2), (16, 400, 6), (1, 1024, 1), (1, 1024, 4), (1, 1024, 8))),
+    *((f"tree_attention_splits-S{s}-{name}", functools.partial(tree_attention_splits_case, s, dt))
+      for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for s in (256, 512, 1024, 2048)),
     *((f"tree_sdpa-B{b}-T{t}-{name}", functools.partial(tree_sdpa_case, b, s, t, dt))
       for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))
       for b, s, t in ((1, 400, 4), (1, 400, 6), (1, 400, 8), (1, 400, 11), (1, 400, 16), (1, 400, 32),
