@@ -19,9 +19,13 @@
 // Every product accumulates in fp32, probabilities included.
 //
 // Key splits (flash-decoding): a decode step has few tasks (one row, one query: one per kv head, 3 for
-// SmolLM2), which two threads share 2:1. Where the tasks do not divide among the threads, each task's
-// prefix is cut into key ranges run as tasks of their own; each leaves its running max, sum and
-// unnormalized accumulator, and a merge pass combines them (the same log-sum-exp merge as between chunks).
+// SmolLM2), which two threads share 2:1. In calls of at most kSplitMaxTasks (row, kv head) pairs the keys
+// are cut at fixed rows, every kSplitKeys (a multiple of the chunk) from the cache's start, into ranges
+// run as tasks of their own; each leaves its running max, sum and unnormalized accumulator, and a merge
+// pass combines them in order (the log-sum-exp merge as between chunks). The cuts depend on the batch
+// and the key rows only, never on the thread count or the number of queries: a one-token step rounds as
+// the same query inside a verified chain of the same batch. Wider batches already give every thread
+// work, and there the merge costs more than it balances (5-11%, 4-16 rows, Xeon, two threads).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -48,7 +52,8 @@ constexpr int64_t kChunk = 256;     // keys per chunk: their fp32 panels (kChunk
 constexpr int64_t kMinRows = 12;    // rows (heads x queries) worth a task of their own (two row blocks)
 constexpr int64_t kMaxRows = 256;   // cap on rows per task (buffers)
 constexpr int64_t kTasksPerThread = 4;
-constexpr int64_t kMinSplitKeys = 128;  // prefix keys per key split, at least
+constexpr int64_t kSplitKeys = 512;   // key rows per split (a multiple of kChunk: the same chunk boundaries)
+constexpr int64_t kSplitMaxTasks = 3;  // calls of at most this many (row, kv head) pairs split their keys
 // Tasks of at most this many rows (query heads x queries) take the direct paths on AVX-512. In a sweep of
 // 8, 16, 32 and 64 (processes alternating, 1-64 queries at one row and 16 rows, Xeon, two threads;
 // bench/results/tree_attention_direct_rows_sweep.jsonl) 32 was as fast as or faster than 8 and 16 throughout.
@@ -210,7 +215,8 @@ struct Args {
   int64_t window;        // 0: none
   float scale;
   int64_t direct_rows;   // tasks of at most this many rows take the direct paths (0: never)
-  int64_t splits;        // key ranges per (row, kv head, query block); 1: none
+  int64_t split_keys;    // key rows per split (0: none)
+  int64_t splits;        // key ranges per (row, kv head, query block): enough for the longest row; 1: none
   float* part;           // splits > 1: [B * Hkv * blocks, splits, G * tb, 2 + D] running max, sum, accumulator
   void* out;             // [B, Hq, T, D] contiguous
 };
@@ -555,15 +561,19 @@ SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
   const auto* vc = static_cast<const scalar_t*>(a.vc) + b * a.svc.b + hk * a.svc.h;
   const auto* kt = static_cast<const scalar_t*>(a.kt) + b * a.skt.b + hk * a.skt.h;
   const auto* vt = static_cast<const scalar_t*>(a.vt) + b * a.svt.b + hk * a.svt.h;
-  // This split's prefix keys [from, to) (16-key aligned); the last split also takes the pending keys.
-  const int64_t per = round_up((L - lo + a.splits - 1) / a.splits, 16);
-  const int64_t from = std::min(L, lo + split * per), to = std::min(L, lo + (split + 1) * per);
+  // This split's key rows [split * split_keys, (split + 1) * split_keys) of the cache (all of them without
+  // splits); the pending keys where they follow the prefix in memory, else (in their own buffer) in the last split.
+  const int64_t lo_row = a.splits > 1 ? split * a.split_keys : 0;
+  const int64_t hi_row = a.splits > 1 && split < a.splits - 1 ? lo_row + a.split_keys : INT64_MAX;
   const bool last = split == a.splits - 1;
   const bool joined = a.skc.t == a.skt.t && a.svc.t == a.svt.t && kc + L * a.skc.t == kt && vc + L * a.svc.t == vt;
-  if (joined && last) {
-    attend_segment(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, from, L + hi, L});
+  const int64_t from = std::max(lo, lo_row);
+  if (joined) {
+    const int64_t to = std::min(L + hi, hi_row);
+    if (from < to) attend_segment(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, from, to, L});
   } else {
-    attend_segment(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, from, to, L});
+    const int64_t to = std::min(L, hi_row);
+    if (from < to) attend_segment(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, from, to, L});
     if (last) attend_segment(w, a, Segment<scalar_t>{kt, vt, a.skt.t, a.svt.t, 0, hi, 0});
   }
 
@@ -644,17 +654,13 @@ void run(const Args& a) {
   });
 }
 
-// Key splits per query block: 1 where the tasks already divide among the threads (or are many), else the
-// fewest that make the task count a multiple of the thread count, each split at least kMinSplitKeys of the
-// longest row's prefix; $SPECDEC_ATTENTION_KEY_SPLITS overrides (A/B runs, tests).
-int64_t key_splits(int64_t tasks, int64_t keys, int64_t threads) {
-  const char* env = std::getenv("SPECDEC_ATTENTION_KEY_SPLITS");
-  if (env && *env) return std::max<int64_t>(1, std::atoll(env));
-  if (threads <= 1 || tasks % threads == 0 || tasks >= kTasksPerThread * threads) return 1;
-  const int64_t most = keys / kMinSplitKeys;
-  for (int64_t s = 2; s <= most; ++s)
-    if (tasks * s % threads == 0) return s;
-  return std::max<int64_t>(1, std::min(most, (kTasksPerThread * threads + tasks - 1) / tasks));
+// Key rows per split for a call of `pairs` (row, kv head) pairs: kSplitKeys where pairs <= kSplitMaxTasks, else
+// none (0); $SPECDEC_ATTENTION_SPLIT_KEYS, where set, in every call (rounded up to whole chunks; 0 or less: none).
+int64_t split_keys(int64_t pairs) {
+  const char* env = std::getenv("SPECDEC_ATTENTION_SPLIT_KEYS");
+  if (!env || !*env) return pairs <= kSplitMaxTasks ? kSplitKeys : 0;
+  const int64_t n = std::atoll(env);
+  return n <= 0 ? 0 : round_up(n, kChunk);
 }
 
 // Query blocks per (row, kv head): each block at least kMinRows tall (when T allows) and
@@ -748,7 +754,8 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache_
   a.direct_rows = direct_row_limit();
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, a.lens[b]);
-  a.splits = key_splits(B * Hkv * a.blocks, longest, at::get_num_threads());
+  a.split_keys = split_keys(B * Hkv);
+  a.splits = a.split_keys > 0 ? std::max<int64_t>(1, (longest + N + a.split_keys - 1) / a.split_keys) : 1;
   at::Tensor part;
   if (a.splits > 1) {
     part = at::empty({B * Hkv * a.blocks * a.splits * a.G * a.tb * (2 + D)}, q_in.options().dtype(at::kFloat));

@@ -36,7 +36,8 @@ continues the pending drafts it is verified after). Greedy output is therefore t
 Sampling is exact by the rejection-sampling argument of ``Verifier.verify``, including the deferred bonus of
 ``bonus=False``: after an all-accepted chain the next draw is made at the next round against the same target
 distribution, with fresh randomness. A row whose chain is cut to its remaining token budget, or that verifies
-without the draft (no post-verify), draws its bonus as usual (a per-row ``bonus``).
+without the draft (no post-verify), draws its bonus as usual (a per-row ``bonus``). A plain round with nothing
+pending verifies each row's root alone: the next token is drawn as `ar` draws it (``Verifier.first_token``).
 
 **Fallback.** The second core may be worth more to the target than a concurrent draft is (on two cores, 0.74x
 `ar` in issue 50). A :class:`~specdec.policies.DraftGovernor` times whole rounds against plain rounds: the draft

@@ -163,38 +163,75 @@ def test_tree_attention_long_prefix(dtype, d, t, window):
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
 
 
-@pytest.mark.parametrize("splits", [2, 3, 7])
+native_tree_attention = pytest.mark.skipif(not K.has_native("tree_attention", "cpu"),
+                                           reason="the C++ extension is not built")
+
+
+@native_tree_attention
+@pytest.mark.parametrize("split_keys", ["256", "300", "512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("t", [1, 3, 13])
 @pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("joined", [False, True])
-def test_tree_attention_key_splits(monkeypatch, splits, dtype, t, window, joined):
-    """Prefixes cut into key ranges merged afterwards (decode steps whose few tasks do not divide among the
-    threads; forced here on one thread): ragged rows, one with an empty prefix, splits with no visible key
-    (the window), a tree operand in its own buffer or following the prefix in the cache's."""
-    monkeypatch.setenv("SPECDEC_ATTENTION_KEY_SPLITS", str(splits))
+def test_tree_attention_key_splits(monkeypatch, split_keys, dtype, t, window, joined):
+    """The C++ kernel's keys cut every ``split_keys`` rows (300: rounded up to 512; set, in every call, 9 (row, kv head)
+    pairs here) and merged afterwards: ragged
+    rows, one with an empty prefix, splits wholly below a query's window, a short last query block (13 queries),
+    a tree operand in its own buffer or following the prefix in the cache's."""
     b, hkv, ratio, d, s = 3, 3, 3, 64, 640
     cache_lens = [600, 0, 257]
     parents = [[-1] + [(i - 1) // 2 for i in range(1, t)], list(range(-1, t - 1)), list(range(-1, t - 1))]
     q, k_cache, v_cache, lens, k_tree, v_tree, vis, mask, positions = build_attention(
-        b, hkv, ratio, d, t, s, cache_lens, parents, dtype, 11 * splits + t)
+        b, hkv, ratio, d, t, s, cache_lens, parents, dtype, 11 * len(split_keys) + t)
     pos_t = torch.tensor(positions, dtype=torch.int64)
     want = naive_tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, vis, positions, window)
     if joined:  # one row's tree right after its prefix in one buffer: the runtime's layout when rows are even
-        b, cache_lens = 1, cache_lens[:1]
         q, lens, mask, pos_t, want = q[:1], lens[:1], mask[:1], pos_t[:1], want[:1]
         kc = torch.cat([k_cache[:1, :, :600], k_tree[:1]], dim=2)
         vc = torch.cat([v_cache[:1, :, :600], v_tree[:1]], dim=2)
         k_cache, v_cache, k_tree, v_tree = kc, vc, kc[:, :, 600:], vc[:, :, 600:]
-    got = K.tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, mask,
-                           tree_positions=pos_t if window else None, window=window)
+    native = K.native_ops().tree_attention
+
+    def attend(keys: str) -> torch.Tensor:
+        monkeypatch.setenv("SPECDEC_ATTENTION_SPLIT_KEYS", keys)
+        return native(q, k_cache, v_cache, lens, k_tree, v_tree, mask, None,
+                      pos_t if window else None, window)
+
+    got, whole = attend(split_keys), attend("0")
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
-    monkeypatch.setenv("SPECDEC_ATTENTION_KEY_SPLITS", "1")
-    unsplit = K.tree_attention(q, k_cache, v_cache, lens, k_tree, v_tree, mask,
-                               tree_positions=pos_t if window else None, window=window)
-    torch.testing.assert_close(got, unsplit, **TOL[dtype])
-    if dtype == torch.float32:  # the split path ran: its sums round differently from one pass over the keys
-        assert not torch.equal(got[0], unsplit[0])
+    torch.testing.assert_close(got, whole, **TOL[dtype])
+    if dtype == torch.float32 and window is None:  # the split path ran: its sums round differently from one pass
+        assert not torch.equal(got[0], whole[0])
+
+
+@native_tree_attention
+@pytest.mark.parametrize("prefix", [200, 700, 1030])
+def test_a_one_token_step_rounds_as_the_same_query_in_a_verified_chain(prefix):
+    """fp32, one row, the chain after the prefix in the cache's buffer (the runtime's layout): query i of a 5-token
+    chain equals, bit for bit, a one-token step over the prefix and the chain's first i tokens, on one thread and
+    on two (the kernel cuts its keys at fixed rows, whatever the thread count and the number of queries)."""
+    g = torch.Generator().manual_seed(prefix)
+    t, n = 5, prefix + 5
+    q = torch.randn(1, 9, t, 64, generator=g)
+    k, v = torch.randn(1, 3, n, 64, generator=g), torch.randn(1, 3, n, 64, generator=g)
+    native, threads = K.native_ops().tree_attention, torch.get_num_threads()
+
+    def attend(queries: torch.Tensor, length: int, chain: int) -> torch.Tensor:
+        return native(queries, k[:, :, :length + chain], v[:, :, :length + chain], torch.tensor([length]),
+                      k[:, :, length:length + chain], v[:, :, length:length + chain], None, None, None, None)
+
+    try:
+        for width in (1, 2):
+            torch.set_num_threads(width)
+            chain = attend(q, prefix, t)
+            for i in range(t):
+                assert torch.equal(chain[:, :, i], attend(q[:, :, i:i + 1], prefix + i, 1)[:, :, 0]), (width, i)
+            if width == 1:
+                alone = chain
+            else:
+                assert torch.equal(chain, alone)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_tree_attention_none_mask_is_causal_chain():
