@@ -281,8 +281,9 @@ def speculative_generate(
     return DecodeResult(out.tokens, stats)
 
 
-def _one_token_path(b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B]`` ones and ``[B,1]`` zeros: a step that commits each row's root."""
+def one_token_path(b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step that commits each of ``b`` rows' root alone (``ar``'s step, and PEARL's plain rounds): ``[b]`` int64
+    ones (the path lengths) and ``[b, 1]`` int64 zeros (the root's node index), for :meth:`ModelRunner.commit`."""
     return torch.ones(b, dtype=torch.int64, device=device), torch.zeros(b, 1, dtype=torch.int64, device=device)
 
 
@@ -301,7 +302,7 @@ def autoregressive_generate(
         logits, _ = target.prefill(state.padded(), state.seq_lens)
     stats.target_calls += 1
     live = list(range(len(prompts)))  # batch row -> prompt (rows that finish early leave the batch)
-    ones, zero_path = _one_token_path(len(live), target.device)
+    ones, zero_path = one_token_path(len(live), target.device)
     while True:
         tok = verifier.first_token(logits)
         for r, t in zip(live, tok.tolist()):
@@ -312,7 +313,7 @@ def autoregressive_generate(
         live, keep = leave_batch(live, out.done, target)
         if keep is not None:
             tok = tok[torch.tensor(keep, device=tok.device)]
-            ones, zero_path = _one_token_path(len(live), target.device)
+            ones, zero_path = one_token_path(len(live), target.device)
         with timed(stats, "target_s"):
             logits, _ = target.forward_tree(DraftTree.chain(tok))
         stats.target_calls += 1

@@ -31,6 +31,7 @@ from specdec.drafters.ouroboros import ATTACH, ORDERS, SOURCES, OuroborosDrafter
 from specdec.drafters.phrase_pool import PhrasePool
 from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES, corpus_slots
 from specdec.model import ModelRunner
+from specdec.policies.governor import EXPLORE
 from specdec.ngram_corpus import vocab_fingerprint
 from specdec.policies import (AcceptanceModel, ConfidenceStop, DraftGovernor, HeuristicLength, NodeAcceptance,
                               ProbabilityCalibration, StaticLength, StepCost)
@@ -61,6 +62,9 @@ class GovernedOptions:
     govern: int = option(1, "stop drafting while steps without a draft emit more tokens per second, measured "
                             "per batch size, and try drafting again later (specdec.policies.DraftGovernor); "
                             "0: always draft", (0, 1))
+    explore: float = option(EXPLORE, "the governor's probe budget: the share of decode time a lost probe of drafting "
+                                  "may cost before the next (DraftGovernor's explore)", low=0.0, high=1.0,
+                            closed=True, cli=False)
 
 
 @dataclass(frozen=True)

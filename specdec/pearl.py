@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.decoding import DecodeResult, DecodeStats, leave_batch, start_generation, timed
+from specdec.decoding import DecodeResult, DecodeStats, leave_batch, one_token_path, start_generation, timed
 from specdec.draft_worker import ConcurrentDraft
 from specdec.model import ModelRunner
 from specdec.policies import DraftGovernor
@@ -333,8 +333,8 @@ def _plain_round(target: ModelRunner, state, out, token: torch.Tensor, live: lis
     """Commit a round in which every row verified its root alone: ``token [B]`` its next token per row. Returns
     the tokens emitted (one a row)."""
     b = token.shape[0]
-    ones = torch.ones(b, dtype=torch.int64, device=token.device)
-    target.commit(torch.zeros(b, 1, dtype=torch.int64, device=token.device), ones, True, [1] * b)
+    ones, zero_path = one_token_path(b, token.device)
+    target.commit(zero_path, ones, True, [1] * b)
     state.append(token)
     for r, t in enumerate(token.tolist()):
         out.add(live[r], [t])

@@ -38,12 +38,17 @@ def test_stops_drafting_where_plain_steps_win_and_probes_again():
     assert not any(kinds[-40:-20]) or not any(kinds[-20:])  # long plain stretches at the end
 
 
-def test_resumes_drafting_once_it_pays_again():
-    gov = DraftGovernor(probe=3, pause=8, max_pause=64)
-    kinds = drive(gov, 300, lambda i, k: (1.0 if i < 100 else 3.0) if k else 2.0)
+@pytest.mark.parametrize("explore", [0.02, None])
+def test_resumes_drafting_once_it_pays_again(explore):
+    # A drafting step here takes 2x a plain one: a lost probe (3 such steps) costs 1.5 plain steps' time, so the pause
+    # after it is at least 1.5 / explore plain steps (150 at 2%, 300 at the default 1%): the price of a small budget
+    # is a later look at a dear draft that starts to pay.
+    gov = DraftGovernor(probe=3, pause=8, max_pause=64, **({} if explore is None else {"explore": explore}))
+    hold = 1.5 / (gov.explore * 0.5)  # plain steps of 0.5 s
+    kinds = drive(gov, 600, lambda i, k: (1.0 if i < 100 else 3.0) if k else 2.0)
     assert sum(kinds[30:100]) < 20  # plain while drafting loses
-    switched = next(i for i in range(100, 300) if all(kinds[i: i + 20]))
-    assert switched < 100 + 64 + 2 * 3 + 5  # found within one longest pause and a probe
+    switched = next(i for i in range(100, 600) if all(kinds[i: i + 20]))
+    assert switched < 2 * 3 + max(64, hold) + 2 * 3 + 5  # found after the first probe's pause and a probe
     assert sum(kinds[-100:]) > 90  # and drafting kept (plain only in refresh probes)
 
 
@@ -69,20 +74,22 @@ def test_a_dear_losing_draft_costs_at_most_its_exploration_share():
 
     assert lost_share(DraftGovernor(explore=1.0, max_hold=64)) > 0.08
     assert lost_share(DraftGovernor(explore=0.02)) <= 0.025  # the first probe's loss included
+    assert lost_share(DraftGovernor()) <= 0.0125  # the default budget, 1%
 
 
 def test_a_probes_catch_up_counts_whole_in_its_cost():
     # Sixteen rows, a draft that loses: a drafting step costs 2 plain steps for the same tokens, and the probe's
     # first one also reads the prompts into the draft (20 plain steps more). The probe lost 23 plain steps, so
-    # at 2% of the decode time the next waits 23 / 0.02 = 1150 plain steps. Clipped to 3x the probe's median, as
-    # the decision clips it, the prompt read would count 4 plain steps, and the next probe would come after 360.
+    # at 1% of the decode time (the default) the next waits 23 / 0.01 = 2300 plain steps. Clipped to 3x the probe's
+    # median, as the decision clips it, the prompt read would count 4 plain steps, and the next would come after 700.
     gov, kinds = DraftGovernor(), []
-    for i in range(1500):
+    wait = 23 / gov.explore
+    for i in range(int(wait) + 300):
         k = gov.drafts(16)
         gov.observe(k, 16, 16, (22.0 if i == 0 else 2.0) if k else 1.0)
         kinds.append(k)
     assert kinds[:6] == [True, False] * 3
-    assert 1100 < kinds.index(True, 6) < 1200
+    assert wait - 50 < kinds.index(True, 6) < wait + 50
 
 
 @pytest.mark.parametrize("first_call", [5, 6])
@@ -191,10 +198,11 @@ def test_a_loss_at_many_rows_does_not_silence_one_row():
 
 
 def test_a_cheap_losing_draft_keeps_the_doubling_schedule():
-    # One row: a drafting step costs 5% more than a plain one. Its probes lose little, so the pauses stay the
-    # doubling ones and a row that starts copying its context is found as soon as before.
+    # One row: a drafting step costs 2% more than a plain one. Its probes lose little (3 x 2% of a step, under the
+    # default 1% budget over the first pause of 8 steps), so the pauses stay the doubling ones and a row that starts
+    # copying its context is found as soon as before. (At 5% dearer the first pause is 16 steps, not 8.)
     def kinds(gov):
-        return drive(gov, 400, lambda i, k: 0.95 if k else 1.0, rows=1)
+        return drive(gov, 400, lambda i, k: 0.98 if k else 1.0, rows=1)
 
     assert kinds(DraftGovernor()) == kinds(DraftGovernor(explore=1.0, max_hold=64))
 
@@ -267,6 +275,27 @@ def test_greedy_output_is_the_targets_whatever_the_governor_decides(arch, method
     counts = out.stats.drafter["governor"]
     assert counts["plain_steps"] > 0 and counts["drafting_steps"] > 0
     assert out.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["pld", "pearl"])
+def test_the_explore_option_sets_the_probe_budget_of_the_methods_governor(monkeypatch, method):
+    """``METHOD:explore=X`` reaches the governor the decoder builds (beside a method's own governor options: PEARL's
+    blocks), and a governor is learned per value, so an A/B of two budgets in one bench run compares two."""
+    import specdec.api as api
+
+    built = []
+
+    class Spy(DraftGovernor):
+        def __init__(self, **options):
+            built.append(options)
+            super().__init__(**options)
+    monkeypatch.setattr(api, "DraftGovernor", Spy)
+    dec = decoder("llama")
+    extra = {"backend": "inline"} if method == "pearl" else {}
+    for explore in (0.0071, 0.0071, 0.0093):
+        dec.generate_ids([prompt_of(6, seed=3)], method, 4, GREEDY, explore=explore, **extra)
+    assert [b["explore"] for b in built] == [0.0071, 0.0093]
+    assert all(b.get("blocks", False) == (method == "pearl") for b in built)
 
 
 @pytest.mark.parametrize("pattern", ["dp", "pppd"])

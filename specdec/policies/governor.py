@@ -43,6 +43,13 @@ from collections import deque
 from statistics import median
 
 
+# The share of decode time lost probes may cost. 2% left a draft that never pays at 0.96-0.98x `ar` by construction,
+# too near the never-slower bar of 0.97x: `gsd` over 4 rows, 16 dev prompts, two rounds, AMX Xeon: 0.96x (21 drafting
+# steps of 1,017) at 2%, 0.98x (9) at 1% (bench/RESULTS.md, governor). Drafts that pay are not probed by it: they
+# keep drafting and re-time plain steps every ``refresh`` steps; cheap losing drafts wait out the doubling pause.
+EXPLORE = 0.01
+
+
 class DraftGovernor:
     """Decides per step whether the decode loop drafts, from measured whole-step rates.
 
@@ -55,7 +62,7 @@ class DraftGovernor:
     """
 
     def __init__(self, probe: int = 3, pause: int = 8, max_pause: int = 64, refresh: int = 128, window: int = 8,
-                 explore: float = 0.02, max_hold: int = 4096, blocks: bool = False):
+                 explore: float = EXPLORE, max_hold: int = 4096, blocks: bool = False):
         if min(probe, pause, refresh, window) < 1 or max_pause < pause or max_hold < max_pause:
             raise ValueError("probe, pause, refresh and window must be >= 1 and pause <= max_pause <= max_hold")
         if not 0 < explore <= 1:
