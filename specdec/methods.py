@@ -63,7 +63,7 @@ class GovernedOptions:
                             "per batch size, and try drafting again later (specdec.policies.DraftGovernor); "
                             "0: always draft", (0, 1))
     explore: float = option(EXPLORE, "the governor's probe budget: the share of decode time a lost probe of drafting "
-                                  "may cost before the next (DraftGovernor's explore)", low=0.0, high=1.0,
+                                  "may cost before the next (DraftGovernor's explore)", low=0.001, high=1.0,
                             closed=True, cli=False)
 
 

@@ -40,9 +40,9 @@ def test_stops_drafting_where_plain_steps_win_and_probes_again():
 
 @pytest.mark.parametrize("explore", [0.02, None])
 def test_resumes_drafting_once_it_pays_again(explore):
-    # A drafting step here takes 2x a plain one: a lost probe (3 such steps) costs 1.5 plain steps' time, so the pause
-    # after it is at least 1.5 / explore plain steps (150 at 2%, 300 at the default 1%): the price of a small budget
-    # is a later look at a dear draft that starts to pay.
+    # A drafting step here takes 2x a plain one: a lost probe (3 such steps, 1.5 s more) costs 3 plain steps' time, so
+    # the pause after it is 3 / explore plain steps (150 at 2%, 300 at the default 1%): the price of a small budget is
+    # a later look at a dear draft that starts to pay.
     gov = DraftGovernor(probe=3, pause=8, max_pause=64, **({} if explore is None else {"explore": explore}))
     hold = 1.5 / (gov.explore * 0.5)  # plain steps of 0.5 s
     kinds = drive(gov, 600, lambda i, k: (1.0 if i < 100 else 3.0) if k else 2.0)
@@ -275,6 +275,11 @@ def test_greedy_output_is_the_targets_whatever_the_governor_decides(arch, method
     counts = out.stats.drafter["governor"]
     assert counts["plain_steps"] > 0 and counts["drafting_steps"] > 0
     assert out.stats.drafted_tokens > 0
+
+
+def test_a_zero_probe_budget_is_refused_when_the_options_are_read():
+    with pytest.raises(ValueError, match="explore"):
+        methods.get("gsd").parse({"explore": "0"})
 
 
 @pytest.mark.parametrize("method", ["pld", "pearl"])

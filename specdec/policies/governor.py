@@ -45,7 +45,7 @@ from statistics import median
 
 # The share of decode time lost probes may cost. 2% left a draft that never pays at 0.96-0.98x `ar` by construction,
 # too near the never-slower bar of 0.97x: `gsd` over 4 rows, 16 dev prompts, two rounds, AMX Xeon: 0.96x (21 drafting
-# steps of 1,017) at 2%, 0.98x (9) at 1% (bench/RESULTS.md, governor). Drafts that pay are not probed by it: they
+# steps of 996) at 2%, 0.98x (9 of 1,001) at 1% (bench/RESULTS.md, governor). Drafts that pay are not probed by it: they
 # keep drafting and re-time plain steps every ``refresh`` steps; cheap losing drafts wait out the doubling pause.
 EXPLORE = 0.01
 
