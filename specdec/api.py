@@ -326,7 +326,8 @@ class SpecDecoder:
             if built is not None and built.policy is not None:  # a batch's steps have their own costs
                 built.policy.prepare_batch(self.runner, len(rows))
             if governor is None and isinstance(opts, methods.GovernedOptions) and opts.govern:
-                governor = self.learned(("governor", method, opts), lambda: DraftGovernor(**{**built.governor, "explore": opts.explore}))
+                options = {**built.governor, "explore": opts.explore}  # the method's own, and the probe budget
+                governor = self.learned(("governor", method, opts), lambda: DraftGovernor(**options))
             if built is None:
                 res = autoregressive_generate(self.runner, rows, max_new_tokens, sampling, self.eos)
             elif built.loop is not None:

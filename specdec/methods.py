@@ -31,9 +31,8 @@ from specdec.drafters.ouroboros import ATTACH, ORDERS, SOURCES, OuroborosDrafter
 from specdec.drafters.phrase_pool import PhrasePool
 from specdec.drafters.ngrammys import STRATEGIES, VERIFY_MODES, corpus_slots
 from specdec.model import ModelRunner
-from specdec.policies.governor import EXPLORE
 from specdec.ngram_corpus import vocab_fingerprint
-from specdec.policies import (AcceptanceModel, ConfidenceStop, DraftGovernor, HeuristicLength, NodeAcceptance,
+from specdec.policies import (EXPLORE, AcceptanceModel, ConfidenceStop, DraftGovernor, HeuristicLength, NodeAcceptance,
                               ProbabilityCalibration, StaticLength, StepCost)
 from specdec.policies.disco import DiscoClassifier, DiscoStop, OracleStop, PlattCalibration, draft_fingerprint
 from specdec.pearl import PearlDecoding, WindowLength, one_thread

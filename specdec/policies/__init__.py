@@ -7,9 +7,9 @@ hold an acceptance table that the method's declaration builds for them.
 from specdec.contracts import Budget, LengthPolicy, StopRule
 from specdec.policies.acceptance import AcceptanceModel, NodeAcceptance, ProbabilityCalibration
 from specdec.policies.cost import StepCost
-from specdec.policies.governor import DraftGovernor
+from specdec.policies.governor import EXPLORE, DraftGovernor
 from specdec.policies.length import ConfidenceStop, HeuristicLength, StaticLength
 from specdec.policies.planner import batch_width, best_length, best_sizes, cap_nodes, prune
 
-__all__ = ["Budget", "StopRule", "StepCost", "DraftGovernor", "AcceptanceModel", "NodeAcceptance", "ProbabilityCalibration", "StaticLength", "HeuristicLength",
+__all__ = ["Budget", "StopRule", "StepCost", "DraftGovernor", "EXPLORE", "AcceptanceModel", "NodeAcceptance", "ProbabilityCalibration", "StaticLength", "HeuristicLength",
            "ConfidenceStop", "batch_width", "best_length", "best_sizes", "cap_nodes", "prune"]
