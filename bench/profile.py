@@ -356,9 +356,11 @@ def forward_split(args: argparse.Namespace) -> None:
 MODEL_LINEARS = """The linear layers of one target forward over M rows, alone: every weight of the model through the packed
 kernel (``--kernels packed,torch``: also through torch's GEMM, ``F.linear``, on the same weights; ``widened``: torch's
 fp32 GEMM on the weights widened per call, ``specdec.linear.widened_linear``; ``quant``: the quantized-weight kernel
-over the GGUF's blocks as stored, csrc/quant_linear.cpp, with the bytes it reads).
+over the GGUF's blocks as stored, csrc/quant_linear.cpp, with the bytes it reads; ``tiles``: the same kernel on AMX
+tiles at every row count, ``tile_rows=1``, where the CPU has them).
 
     OMP_NUM_THREADS=2 python -m bench.profile model-linears --dtype bf16 --rows 1,4,16,64 --kernels quant,packed,torch
+    OMP_NUM_THREADS=2 python -m bench.profile model-linears --dtype bf16 --rows 1,4,6,8,16,32,64 --kernels quant,tiles,torch
 
     OMP_NUM_THREADS=1 python -m bench.profile model-linears --dtype bf16 --rows 1,2,4,5,6,8,12 --json out.json
     OMP_NUM_THREADS=1 python -m bench.profile model-linears --dtype bf16 --rows 4,6,7,8,16,32,64 --kernels packed,torch
@@ -378,9 +380,10 @@ def model_linears(args: argparse.Namespace) -> None:
 
     rows = [int(r) for r in args.rows.split(",")]
     kernels = args.kernels.split(",")
-    if not kernels or any(k not in ("packed", "torch", "widened", "quant") for k in kernels):
-        raise SystemExit(f"--kernels takes packed, torch, widened and/or quant, got {args.kernels!r}")
-    model, _ = load_model(args.model, args.dtype, linear="packed", weights="gguf" if "quant" in kernels else "dense")
+    if not kernels or any(k not in ("packed", "torch", "widened", "quant", "tiles") for k in kernels):
+        raise SystemExit(f"--kernels takes packed, torch, widened, quant and/or tiles, got {args.kernels!r}")
+    quant = any(k in ("quant", "tiles") for k in kernels)
+    model, _ = load_model(args.model, args.dtype, linear="packed", weights="gguf" if quant else "dense")
     layers = specdec_linears(model)
     op = torch.ops.specdec.packed_linear
     best = Best()
@@ -390,8 +393,8 @@ def model_linears(args: argparse.Namespace) -> None:
             x = xs[lin.in_features]
             if kernel == "packed":
                 op(x, lin.packed_weight(), lin.out_features, lin.bias)
-            elif kernel == "quant":
-                quant_call(x, lin.qweight, lin.bias)
+            elif kernel in ("quant", "tiles"):
+                quant_call(x, lin.qweight, lin.bias, tile_rows=1 if kernel == "tiles" else 0)
             elif kernel == "widened":
                 widened_linear(x, lin.weight, lin.bias)
             else:
@@ -406,21 +409,23 @@ def model_linears(args: argparse.Namespace) -> None:
     mb = sum(lin.weight.numel() * lin.weight.element_size() for lin in layers) / 2**20
     out = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "layers": len(layers),
            "weight_mib": round(mb, 1), "cpu": cpu_name()}
-    if "quant" in kernels:
+    if quant:
         out["quant_mib"] = round(sum(lin.qweight.nbytes for lin in layers) / 2**20, 1)
+    if "quant" in kernels:
         out["quant_one_row"] = quant_one_row_split(layers, args.repeats)
     for kernel in kernels:
         key = "ms" if kernel == "packed" else f"ms_{kernel}"
         out[key] = {m: round(best.ms((kernel, m)), 2) for m in rows}
-        size = out["quant_mib"] if kernel == "quant" else mb
+        size = out["quant_mib"] if kernel in ("quant", "tiles") else mb
         print(f"{kernel}: {len(layers)} weights, {size:.0f} MiB, {out['threads']} threads, best of {args.repeats}, ms: "
               + "  ".join(f"M={m}: {v:.1f} ({size * 2**20 / v / 1e6:.1f} GB/s)" for m, v in out[key].items()))
     finish(out, args.json)
 
 
-def quant_call(x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.Tensor:
+def quant_call(x: torch.Tensor, q, bias: torch.Tensor | None, tile_rows: int = 0) -> torch.Tensor:
     """One ``specdec::quant_linear`` call on a packed weight, as the compiled graphs make it (the op's overload)."""
-    return torch.ops.specdec.quant_linear.default(x, q.packed, q.n, q.k, q.bits, q.group, q.has_min, q.f16_scale, bias)
+    return torch.ops.specdec.quant_linear.default(x, q.packed, q.n, q.k, q.bits, q.group, q.has_min, q.f16_scale, bias,
+                                                  tile_rows)
 
 
 def quant_one_row_split(layers: list, repeats: int) -> dict:
@@ -736,7 +741,8 @@ def parser() -> argparse.ArgumentParser:
     p = subcommand(subs, "model-linears", MODEL_LINEARS)
     p.add_argument("--rows", default="1,2,4,5,6,8,12")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--kernels", default="packed", help="packed, torch (F.linear on the same weights), widened (the fp32 GEMM on widened weights) and/or quant")
+    p.add_argument("--kernels", default="packed", help="packed, torch (F.linear on the same weights), widened (the fp32 GEMM on widened weights), quant and/or "
+                        "tiles (quant on AMX tiles at every row count)")
     p.set_defaults(run=model_linears)
 
     p = subcommand(subs, "stream", STREAM, dtype=None)

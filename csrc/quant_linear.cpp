@@ -26,7 +26,8 @@
 // Batch invariance: every output element's sequence of fp32 operations (the group dots, the two multiply-adds
 // per group, groups in order, then the bias, then one rounding to the output dtype) depends on its row alone;
 // row blocking never changes it, so row m of a T-row verification equals, bit for bit, the same row computed
-// alone (one-token decoding).
+// alone (one-token decoding). The one exception is opt-in: bf16 calls of at least `tile_rows` rows (an argument,
+// 0 = never) run on AMX tiles where the CPU has them (isa_amx below), whose sums round differently.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -42,7 +43,10 @@
 #include "simd.h"
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace specdec {
@@ -52,6 +56,7 @@ constexpr int kPanel = 16;
 
 struct Args {
   const float* x;      // [M, K] fp32 (widened once per call)
+  const uint16_t* xb;  // [M, K] bf16 as given, for the AMX kernel (null where x is not bf16)
   const float* xs;     // [M, K / group] fp32: each group's sum of x, summed in order
   const uint8_t* w;    // [P, groups, chunk]
   const float* b;      // [N] fp32 or null
@@ -106,6 +111,165 @@ struct Ops {
 };
 #include "quant_linear_body.h"
 }  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,amx-tile,amx-bf16")
+// AMX-BF16 (Sapphire Rapids and later Xeons), for bf16 products of at least `tile_rows` rows: the codes are small
+// integers (0..15, or int8), exact in bf16, so every product x_j * code_j is exact in fp32, and the tile unit sums
+// a group's products in fp32 (in its own order, not the vector kernel's); the group's scale and min are then
+// applied in fp32 as above. One TDPBF16PS does a group of 16 columns for up to 16 rows, so a weight's cost barely
+// grows with the rows, where the vector kernel pays 2 multiply-adds a weight a row. At one row it loses: each
+// group's codes go through L1 as a 1 KB bf16 tile, and the tile loads do not overlap the decoding. All 211
+// weights of SmolLM2-135M, 2 threads, Xeon with AMX, ms, vector / tiles: 6.6 / 9.8 at one row, 8.5 / 10.6 at 4,
+// 14.0 / 11.6 at 8, 24.8 / 14.6 at 16, 46.4 / 22.9 at 32 (bench/RESULTS.md). Rows of a tile call depend on their
+// own activations alone (batch-invariant among calls of at least tile_rows rows), but not bit for bit equal to
+// the vector kernel's: a caller that needs one-token steps and verifications to agree passes tile_rows = 0.
+// TDPBF16PS reads bf16 subnormal inputs as zero and flushes subnormal sums to zero.
+namespace isa_amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-2 and 3-5: activations [mt, G] bf16, codes [G / 2, 16 pairs] bf16 and sums [mt, 16] fp32 of two
+// groups in flight.
+SPECDEC_INLINE void configure(int mt, int G) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int s = 0; s < 2; ++s) {
+    c.rows[3 * s] = static_cast<uint8_t>(mt);
+    c.colsb[3 * s] = static_cast<uint16_t>(2 * G);
+    c.rows[3 * s + 1] = static_cast<uint8_t>(G / 2);
+    c.colsb[3 * s + 1] = 64;
+    c.rows[3 * s + 2] = static_cast<uint8_t>(mt);
+    c.colsb[3 * s + 2] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// One 64-byte row of a codes tile: column c's codes k = 2 r and 2 r + 1 as a bf16 pair in dword c.
+template <int BITS>
+SPECDEC_INLINE void decode_row(const uint8_t* codes, int r, uint8_t* out) {
+  __m512i v;
+  if constexpr (BITS == 4) {
+    // Step r holds both codes of column c in byte c (low nibble k = 2 r): spread to dword c as
+    // low | high << 16, then look each 4-bit value up as bf16.
+    const __m512i lut = _mm512_setr_epi32(0x3f800000, 0x40404000, 0x40a04080, 0x40e040c0, 0x41104100,
+                                          0x41304120, 0x41504140, 0x41704160, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * r)));
+    const __m512i t = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000f000f), 0xa8);
+    v = _mm512_permutexvar_epi16(t, lut);
+  } else {
+    // Steps 2 r and 2 r + 1 hold column c's codes in byte c: int8 -> fp32 (exact), whose top half is the bf16.
+    const __m512i a = _mm512_castps_si512(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * r)))));
+    const __m512i b = _mm512_castps_si512(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * r + 16)))));
+    v = _mm512_ternarylogic_epi32(_mm512_srli_epi32(a, 16), b, _mm512_set1_epi32(static_cast<int>(0xffff0000u)),
+                                  0xd8);
+  }
+  _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * r), v);
+}
+
+// Panels one at a time, software-pipelined: while the tile unit sums panel p's groups, the vector units decode
+// panel p + 1's codes into the other half of a double buffer (each group's codes tile is decoded once, whatever
+// the rows).
+template <int BITS, bool F16, bool MIN>
+void run(const Args& a, int64_t p_begin, int64_t p_end) {
+  constexpr int SB = F16 ? 2 : 4;
+  constexpr int kCodes = kPanel * SB * (MIN ? 2 : 1);
+  const int G = a.group, R = G / 2;  // R: rows of a codes tile
+  const int64_t groups = a.groups, panel_bytes = groups * R * 64;
+  thread_local std::vector<uint8_t> storage;
+  storage.resize(static_cast<size_t>(2 * panel_bytes + 64));
+  uint8_t* const buf0 = storage.data() + ((64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64);
+  alignas(64) float sums[2][16 * 16];
+  auto decode = [&](int64_t p, int64_t g, uint8_t* buf) {
+    const uint8_t* codes = a.w + (p * groups + g) * a.chunk + kCodes;
+    for (int r = 0; r < R; ++r) decode_row<BITS>(codes, r, buf + g * R * 64);
+  };
+  for (int64_t g = 0; g < groups; ++g) decode(p_begin, g, buf0);
+  int configured = 0;
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    uint8_t* const cur = buf0 + ((p - p_begin) & 1) * panel_bytes;
+    uint8_t* const next = buf0 + ((p - p_begin + 1) & 1) * panel_bytes;
+    const bool ahead = p + 1 < p_end;
+    asm volatile("" ::: "memory");  // the tile loads read cur (GCC's tileloadd has no memory operand)
+    const uint8_t* chunk0 = a.w + p * groups * a.chunk;
+    for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
+      const int mt = static_cast<int>(std::min<int64_t>(16, a.M - m0));
+      if (mt != configured) {
+        configure(mt, G);
+        configured = mt;
+      }
+      const bool decoding = ahead && m0 == 0;
+      __m512 acc[16];
+      for (int m = 0; m < mt; ++m) acc[m] = _mm512_setzero_ps();
+      const uint16_t* x = a.xb + m0 * a.K;
+      const long ldx = 2 * a.K;
+      auto fold = [&](int64_t g, const float* s) {
+        const uint8_t* c = chunk0 + g * a.chunk;
+        const __m512 sc = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)))
+                              : _mm512_loadu_ps(c);
+        __m512 mn = _mm512_setzero_ps();
+        if constexpr (MIN)
+          mn = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + kPanel * SB)))
+                   : _mm512_loadu_ps(c + kPanel * SB);
+        for (int m = 0; m < mt; ++m) {
+          acc[m] = _mm512_fmadd_ps(_mm512_load_ps(s + 16 * m), sc, acc[m]);
+          if constexpr (MIN) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(a.xs[(m0 + m) * groups + g]), mn, acc[m]);
+        }
+      };
+      int64_t g = 0;
+      for (; g + 2 <= groups; g += 2) {
+        _tile_loadd(0, x + g * G, ldx);
+        _tile_loadd(1, cur + g * R * 64, 64);
+        _tile_zero(2);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(3, x + (g + 1) * G, ldx);
+        _tile_loadd(4, cur + (g + 1) * R * 64, 64);
+        _tile_zero(5);
+        _tile_dpbf16ps(5, 3, 4);
+        if (decoding) {
+          decode(p + 1, g, next);
+          decode(p + 1, g + 1, next);
+        }
+        _tile_stored(2, sums[0], 64);
+        _tile_stored(5, sums[1], 64);
+        fold(g, sums[0]);
+        fold(g + 1, sums[1]);
+      }
+      if (g < groups) {
+        _tile_loadd(0, x + g * G, ldx);
+        _tile_loadd(1, cur + g * R * 64, 64);
+        _tile_zero(2);
+        _tile_dpbf16ps(2, 0, 1);
+        if (decoding) decode(p + 1, g, next);
+        _tile_stored(2, sums[0], 64);
+        fold(g, sums[0]);
+      }
+      for (int m = 0; m < mt; ++m) {
+        float v[kPanel];
+        _mm512_storeu_ps(v, acc[m]);
+        store_row(a, m0 + m, p, v);
+      }
+    }
+  }
+  if (configured) _tile_release();
+}
+
+inline RunFn pick(int64_t bits, bool f16, bool has_min) {
+  if (bits == 4) return f16 ? run<4, true, true> : run<4, false, true>;
+  if (f16) return has_min ? run<8, true, true> : run<8, true, false>;
+  return has_min ? run<8, false, true> : run<8, false, false>;
+}
+
+}  // namespace isa_amx
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -177,6 +341,25 @@ struct Ops {
 #include "quant_linear_body.h"
 }  // namespace isa_base
 
+// Whether this CPU has AMX-BF16 tiles and Linux grants this process their state (asked once), and SPECDEC_AMX is
+// not 0 (an A/B switch, read at each call).
+bool amx_enabled() {
+#if SPECDEC_X86_CLONES
+  static const bool usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (simd::best_isa() != simd::Isa::kAvx512 || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return (edx & kAmxBf16) && (edx & kAmxTile) && syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  if (!usable) return false;
+  const char* env = std::getenv("SPECDEC_AMX");
+  return !(env != nullptr && std::strcmp(env, "0") == 0);
+#else
+  return false;
+#endif
+}
+
 RunFn pick_format(int64_t bits, bool f16, bool has_min) {
 #if SPECDEC_X86_CLONES
   switch (simd::best_isa()) {
@@ -225,7 +408,7 @@ struct Product {
 // of a call with its weight alone (the micro-kernel's order does not depend on which panels share a task), so a
 // group's outputs equal the separate calls' bit for bit.
 void run_products(const at::Tensor& x, std::vector<Product>& ps, int64_t k, int64_t bits, int64_t group,
-                  bool has_min, bool f16_scale) {
+                  bool has_min, bool f16_scale, int64_t tile_rows) {
   const int64_t M = x.size(0);
   if (M == 0) return;
   if (k == 0) {
@@ -251,19 +434,25 @@ void run_products(const at::Tensor& x, std::vector<Product>& ps, int64_t k, int6
     for (const auto& p : ps) total += M * p.n;
     sums.resize(static_cast<size_t>(total));
   }
-  const int64_t unit = panels_per_unit(M);
+  const bool amx = dtype == at::kBFloat16 && tile_rows > 0 && M >= tile_rows && amx_enabled();
+  const int64_t unit = amx ? 1 : panels_per_unit(M);
+  const auto* xb = dtype == at::kBFloat16 ? reinterpret_cast<const uint16_t*>(xc.const_data_ptr()) : nullptr;
   std::vector<Args> args;
   std::vector<int64_t> first{0};  // first[i]: the index of weight i's first unit of panels
   int64_t offset = 0;
   for (auto& p : ps) {
     float* y32 = dtype == at::kFloat ? p.y.mutable_data_ptr<float>() : sums.data() + offset;
     offset += M * p.n;
-    args.push_back(Args{xf, xsums.data(), p.w.const_data_ptr<uint8_t>(),
+    args.push_back(Args{xf, xb, xsums.data(), p.w.const_data_ptr<uint8_t>(),
                         p.b.defined() ? p.b.const_data_ptr<float>() : nullptr, y32, M, p.n, k, groups, p.w.size(2),
                         static_cast<int>(group)});
     first.push_back(first.back() + (p.w.size(0) + unit - 1) / unit);
   }
+#if SPECDEC_X86_CLONES
+  const RunFn fn = amx ? isa_amx::pick(bits, f16_scale, has_min) : pick_format(bits, f16_scale, has_min);
+#else
   const RunFn fn = pick_format(bits, f16_scale, has_min);
+#endif
   // A task gets at least ~64K weights (below that, waking the pool costs more than the work).
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(unit * kPanel * k, 1));
   at::parallel_for(0, first.back(), grain, [&](int64_t begin, int64_t end) {
@@ -296,12 +485,13 @@ at::ScalarType check_x(const char* op, const at::Tensor& x, int64_t k) {
 }
 
 at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k, int64_t bits,
-                            int64_t group, bool has_min, bool f16_scale, const std::optional<at::Tensor>& bias) {
+                            int64_t group, bool has_min, bool f16_scale, const std::optional<at::Tensor>& bias,
+                            int64_t tile_rows) {
   check_format("quant_linear", packed, n, k, bits, group, has_min, f16_scale);
   const auto dtype = check_x("quant_linear", x, k);
   std::vector<Product> ps{{packed.contiguous(), linear::bias_fp32("quant_linear", bias, n, dtype),
                            at::empty({x.size(0), n}, x.options()), n}};
-  if (n > 0) run_products(x, ps, k, bits, group, has_min, f16_scale);
+  if (n > 0) run_products(x, ps, k, bits, group, has_min, f16_scale, tile_rows);
   return ps[0].y;
 }
 
@@ -310,7 +500,7 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64
 // the thread pool where separate calls would pay its fixed cost once a weight.
 std::vector<at::Tensor> quant_linear_group_cpu(const at::Tensor& x, at::TensorList packed, at::IntArrayRef n,
                                                int64_t k, int64_t bits, int64_t group, bool has_min, bool f16_scale,
-                                               const c10::List<std::optional<at::Tensor>>& bias) {
+                                               const c10::List<std::optional<at::Tensor>>& bias, int64_t tile_rows) {
   TORCH_CHECK(packed.size() == n.size() && bias.size() == n.size(), "quant_linear_group: ", packed.size(),
               " packed weights, ", n.size(), " sizes and ", bias.size(), " biases: one each per weight");
   const auto dtype = check_x("quant_linear_group", x, k);
@@ -323,7 +513,7 @@ std::vector<at::Tensor> quant_linear_group_cpu(const at::Tensor& x, at::TensorLi
       ps.push_back({packed[i].contiguous(), linear::bias_fp32("quant_linear_group", bias.get(i), n[i], dtype),
                     out.back(), n[i]});
   }
-  run_products(x, ps, k, bits, group, has_min, f16_scale);
+  run_products(x, ps, k, bits, group, has_min, f16_scale, tile_rows);
   return out;
 }
 

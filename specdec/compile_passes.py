@@ -44,7 +44,7 @@ class GroupQuantLinears(CustomGraphPass):
         for node in graph.nodes:
             if node.op == "call_function" and node.target is single:
                 x, _, _, k, bits, group, has_min, f16 = node.args[:8]
-                groups.setdefault((_source(x), k, bits, group, has_min, f16), []).append(node)
+                groups.setdefault((_source(x), k, bits, group, has_min, f16, _tile_rows(node)), []).append(node)
         for members in groups.values():
             # The group runs where its first member was: the others' weights and biases must exist by then.
             at = order[members[0]]
@@ -61,13 +61,17 @@ def _bias(node: torch.fx.Node):
     return node.args[8] if len(node.args) > 8 else node.kwargs.get("bias")
 
 
+def _tile_rows(node: torch.fx.Node) -> int:
+    return node.args[9] if len(node.args) > 9 else node.kwargs.get("tile_rows", 0)
+
+
 def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
     first = members[0]
     x, _, _, k, bits, group, has_min, f16 = first.args[:8]
     with graph.inserting_before(first):
         fused = graph.call_function(torch.ops.specdec.quant_linear_group.default,
                                     (x, [m.args[1] for m in members], [m.args[2] for m in members], k, bits, group,
-                                     has_min, f16, [_bias(m) for m in members]))
+                                     has_min, f16, [_bias(m) for m in members], _tile_rows(first)))
         fused.meta["val"] = [m.meta.get("val") for m in members]
         for i, m in enumerate(members):
             item = graph.call_function(operator.getitem, (fused, i))

@@ -23,8 +23,9 @@ from torch import nn
 
 from specdec.gguf_blocks import AffineCodes, decode_blocks
 from specdec.kernels import has_native
-from specdec.kernels.quant import QuantWeight, pack_quant_weight, quant_linear
-from specdec.linear import WIDEN_MIN_ROWS, SkinnyLinear, cpu_has_matrix_tiles, cpu_widens_prompts, widened_linear
+from specdec.kernels.quant import TILE_ROWS, QuantWeight, pack_quant_weight, quant_linear
+from specdec.linear import (AMX_PACKED_MAX_ROWS, WIDEN_MIN_ROWS, SkinnyLinear, cpu_has_matrix_tiles, cpu_widens_prompts,
+                            widened_linear)
 
 WEIGHTS = ("auto", "gguf", "dense")
 
@@ -33,21 +34,32 @@ WEIGHTS = ("auto", "gguf", "dense")
 QUANT_MAX_ROWS = 64
 
 # The same limit for bf16 on a CPU with AMX tiles, where the dense path hands products past a few rows to torch's
-# GEMM (oneDNN's tile instructions; --linear auto): all 211 weights of SmolLM2-135M over M rows, 2 threads, ms,
-# blocks / torch's dense bf16 GEMM: 22.0 / 38.4 at 8 rows, 32.5 / 37.0 at 12, 41.2 / 36.3 at 16, 80.1 / 45.5 at
-# 32, 167.4 / 56.7 at 64 (bench/results/quant_vs_torch_amx_2t.json). A batch's verification (16 rows of 2 tokens
-# is 32) is where that pays.
-AMX_QUANT_MAX_ROWS = 12
+# GEMM (oneDNN's tile instructions; --linear auto) and the quantized kernel runs from TILE_ROWS rows on tiles too:
+# all 211 weights of SmolLM2-135M over M rows, 2 threads, ms, blocks on tiles / torch's dense bf16 GEMM: 15.7 / 25.9
+# at 16 rows, 24.2 / 27.8 at 32, 33.4 / 31.9 at 48, 44.6 / 34.1 at 64 (bench/results/quant_tiles_amx.json). A
+# batch's verification (16 rows of 2 tokens is 32) is where that pays.
+AMX_QUANT_MAX_ROWS = 40
+
+
+def _dense_path_is_tile_gemm(linear: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``linear``'s dense path hands products past a few rows to torch's AMX GEMM (bf16 on an AMX CPU with
+    ``--linear auto``), so its verifications are not batch-invariant anyway; a kernel chosen for batch invariance
+    (``--linear packed``) keeps its own rows."""
+    dense_rows = linear.max_rows if isinstance(linear, SkinnyLinear) else 0
+    return cpu_has_matrix_tiles(dtype) and dense_rows <= AMX_PACKED_MAX_ROWS
 
 
 def default_quant_max_rows(linear: nn.Module, dtype: torch.dtype) -> int:
     """Rows up to which ``linear``'s products run the quantized kernel: :data:`AMX_QUANT_MAX_ROWS` where its dense
-    path is torch's AMX GEMM from fewer rows on (bf16 on an AMX CPU with ``--linear auto``; a kernel chosen for
-    batch invariance, ``--linear packed``, keeps its own rows and so does this), else :data:`QUANT_MAX_ROWS`."""
-    dense_rows = linear.max_rows if isinstance(linear, SkinnyLinear) else 0
-    if cpu_has_matrix_tiles(dtype) and dense_rows <= AMX_QUANT_MAX_ROWS:
-        return AMX_QUANT_MAX_ROWS
-    return QUANT_MAX_ROWS
+    path is torch's AMX GEMM (:func:`_dense_path_is_tile_gemm`), else :data:`QUANT_MAX_ROWS`."""
+    return AMX_QUANT_MAX_ROWS if _dense_path_is_tile_gemm(linear, dtype) else QUANT_MAX_ROWS
+
+
+def default_tile_rows(linear: nn.Module, dtype: torch.dtype) -> int:
+    """Rows from which ``linear``'s quantized products run on AMX tiles (:func:`specdec.kernels.quant.quant_linear`'s
+    ``tile_rows``): :data:`specdec.kernels.quant.TILE_ROWS` where the dense path is torch's AMX GEMM (bit-exact
+    batch invariance was not asked for), else 0, never."""
+    return TILE_ROWS if _dense_path_is_tile_gemm(linear, dtype) else 0
 
 
 class QuantLinear(SkinnyLinear):
@@ -61,22 +73,25 @@ class QuantLinear(SkinnyLinear):
     """
 
     quant_max_rows: int = QUANT_MAX_ROWS
+    tile_rows: int = 0  # bf16 products of at least this many rows on AMX tiles (0: never), see quant_linear
     dense: bool = False
     native: bool = False
     widen_prompts: bool = False  # bf16 products of WIDEN_MIN_ROWS rows or more widened to fp32 (cpu_widens_prompts)
 
     @classmethod
     def from_quant(cls, linear: nn.Linear, qweight: QuantWeight, max_rows: int = QUANT_MAX_ROWS,
-                   widen_prompts: bool = True) -> "QuantLinear":
+                   widen_prompts: bool = True, tile_rows: int = 0) -> "QuantLinear":
         """A QuantLinear sharing ``linear``'s Parameters (ties kept); its dense path is ``linear``'s (a
         :class:`SkinnyLinear`'s kernel and limits, or torch's for a plain ``nn.Linear``). widen_prompts: bf16
         products of ``WIDEN_MIN_ROWS`` rows or more widen to fp32 where this CPU favours it (:func:`cpu_widens_prompts`);
-        False keeps them on the dense path's kernel (``--linear packed``: batch-invariant verification to its limit)."""
+        False keeps them on the dense path's kernel (``--linear packed``: batch-invariant verification to its limit).
+        tile_rows: as :func:`specdec.kernels.quant.quant_linear`'s (0: batch-invariant to ``max_rows``)."""
         skinny = isinstance(linear, SkinnyLinear)
         new = cls.from_linear(linear, linear.max_rows if skinny else 0, widen=linear.widen if skinny else False,
                               prepack=linear.prepack if skinny else False)
         new.qweight = qweight
         new.quant_max_rows = max_rows
+        new.tile_rows = tile_rows
         new.dense = False  # on the instance, as dense_weights() sets it (a compiled runner polls it before each call)
         new.native = has_native("quant_linear")  # loads specdec._C, which registers torch.ops.specdec.quant_*
         new.widen_prompts = widen_prompts and cpu_widens_prompts(linear.weight.dtype)
@@ -84,7 +99,8 @@ class QuantLinear(SkinnyLinear):
 
     def extra_repr(self) -> str:
         q = self.qweight
-        return f"{super().extra_repr()}, qtype={q.qtype}, bits={q.bits}, group={q.group}, bytes={q.nbytes}"
+        return (f"{super().extra_repr()}, qtype={q.qtype}, bits={q.bits}, group={q.group}, bytes={q.nbytes}, "
+                f"tile_rows={self.tile_rows}")
 
     def bytes_read(self) -> int:
         return super().bytes_read() if self.dense else self.qweight.nbytes
@@ -102,7 +118,8 @@ class QuantLinear(SkinnyLinear):
             rows = x.numel() // k if k else 0
             if 0 < rows <= self.quant_max_rows and x.shape[-1] == k:
                 op = torch.ops.specdec.quant_linear.default
-                y = op(x.reshape(rows, k), q.packed, q.n, k, q.bits, q.group, q.has_min, q.f16_scale, self.bias)
+                y = op(x.reshape(rows, k), q.packed, q.n, k, q.bits, q.group, q.has_min, q.f16_scale, self.bias,
+                       self.tile_rows)
                 return y.view(x.shape[:-1] + (q.n,))
             # A prompt: the dense weights through the kernel --linear chose (in fp32 they are the blocks' exact
             # values; in bf16 their rounding), or widened to fp32 where that is faster. Rebuilding fp32 weights
@@ -112,7 +129,7 @@ class QuantLinear(SkinnyLinear):
                 return widened_linear(x, self.weight, self.bias)
             return super().forward(x)
         if x.device == q.device:
-            return quant_linear(x, q, self.bias)
+            return quant_linear(x, q, self.bias, tile_rows=self.tile_rows)
         return super().forward(x)
 
 
@@ -285,4 +302,5 @@ def swap_in_quant(model: nn.Module, name: str, codes: AffineCodes, max_rows: int
     linear = getattr(parent, child)
     qweight = pack_quant_weight(codes, linear.weight.device)
     rows = default_quant_max_rows(linear, linear.weight.dtype) if max_rows is None else max_rows
-    setattr(parent, child, QuantLinear.from_quant(linear, qweight, rows, widen_prompts))
+    tiles = default_tile_rows(linear, linear.weight.dtype)
+    setattr(parent, child, QuantLinear.from_quant(linear, qweight, rows, widen_prompts, tiles))

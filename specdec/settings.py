@@ -4,7 +4,7 @@ Modules read a switch through :func:`get`, which refuses an undeclared name, so 
 list (``tests/test_imports.py`` checks that no other module reads a ``SPECDEC_*`` variable itself). The one
 exceptions are :mod:`specdec.kernels`, which engines import with torch alone and which reads its two switches
 (``SPECDEC_BACKEND``, ``SPECDEC_REQUIRE_EXT``) directly, and the C++ extension (``SPECDEC_ATTENTION_DIRECT_ROWS``,
-``SPECDEC_ATTENTION_SPLIT_KEYS``);
+``SPECDEC_ATTENTION_SPLIT_KEYS``, ``SPECDEC_AMX``);
 they are declared here all the same.
 This module imports nothing but the standard library.
 """
@@ -28,6 +28,8 @@ SWITCHES: dict[str, str] = {
                               "0: always the kernel (default 8)",
     "SPECDEC_BF16_DOT": "0: bf16 products of the packed linear kernel stay on its fp32 path even where the CPU has "
                         "AVX-512-BF16 (an A/B switch)",
+    "SPECDEC_AMX": "0: quantized-weight products stay on the vector kernel even where a caller lets bf16 products of "
+                   "many rows run on the CPU's AMX tiles (an A/B switch; read by csrc/quant_linear.cpp at each call)",
     "SPECDEC_ATTENTION_DIRECT_ROWS": "the row limit (query heads x queries) up to which the C++ tree-attention "
                                      "kernel skips its key panels, on any CPU; 0 forces the panels (default: 32 "
                                      "with AVX-512, else 0; read by csrc/tree_attention.cpp at each call)",

@@ -54,6 +54,30 @@ def test_pass_groups_products_of_one_input_and_one_format():
     assert all(torch.equal(u, v) for u, v in zip(before, after))
 
 
+def test_pass_groups_only_products_with_one_tile_rows_and_keeps_it():
+    """tile_rows is part of a product's format: two products that differ in it stay apart, and a group call carries
+    its members' tile_rows (on an AMX CPU a group on tiles sums differently from one on the vector kernel)."""
+    k = 96
+    ws = [pack_quant_weight(random_codes(n, k, 4, 32, True, True, seed=n)) for n in (40, 16, 24)]
+    op = torch.ops.specdec.quant_linear.default
+
+    def layer(x, a, b, c):
+        xs = x.reshape(-1, k)
+        return (op(xs, a, 40, k, 4, 32, True, True, None, 5), op(xs, b, 16, k, 4, 32, True, True, None, 5),
+                op(xs, c, 24, k, 4, 32, True, True, None))
+
+    args = (torch.randn(1, 6, k).bfloat16(), ws[0].packed, ws[1].packed, ws[2].packed)
+    gm = make_fx(layer)(*args)
+    before = gm(*args)
+    GroupQuantLinears()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    groups = [n for n in gm.graph.nodes if n.target is torch.ops.specdec.quant_linear_group.default]
+    assert len(groups) == 1 and groups[0].args[-1] == 5 and len(groups[0].args[1]) == 2
+    assert _targets(gm.graph).count(op) == 1
+    assert all(torch.equal(u, v) for u, v in zip(before, gm(*args)))
+
+
 def _group_calls(dec: SpecDecoder, prompt: list[int]) -> tuple[int, int]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         dec.generate_ids([prompt], "ar", 3, GREEDY)

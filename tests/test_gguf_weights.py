@@ -151,8 +151,9 @@ def test_embedded_gemma3_greedy_matches_dense_transformers():
 
 def test_quant_rows_hand_over_to_the_tile_gemm_only_where_it_wins(monkeypatch):
     """On an AMX CPU bf16 products past AMX_QUANT_MAX_ROWS rows go to the dense path when that path is torch's GEMM
-    (--linear auto or torch); a batch-invariant dense kernel (--linear packed) keeps the quantized kernel's rows, and
-    without tiles (or in fp32) nothing changes."""
+    (--linear auto or torch), and those from TILE_ROWS on run the quantized kernel on tiles; a batch-invariant dense
+    kernel (--linear packed) keeps the quantized kernel's rows, off tiles, and without tiles (or in fp32) nothing
+    changes."""
     from specdec import gguf_weights
     from specdec.linear import SkinnyLinear
 
@@ -166,6 +167,12 @@ def test_quant_rows_hand_over_to_the_tile_gemm_only_where_it_wins(monkeypatch):
         want = gguf_weights.AMX_QUANT_MAX_ROWS if tiles else gguf_weights.QUANT_MAX_ROWS
         assert rows == {"auto": want, "packed": gguf_weights.QUANT_MAX_ROWS, "torch": want}
         assert gguf_weights.default_quant_max_rows(auto, torch.float32) == gguf_weights.QUANT_MAX_ROWS
+        # the quantized kernel's own tiles: only where the dense path gave up batch invariance already
+        tile_rows = {name: gguf_weights.default_tile_rows(lin, torch.bfloat16) for name, lin in
+                     (("auto", auto), ("packed", packed), ("torch", plain))}
+        want = gguf_weights.TILE_ROWS if tiles else 0
+        assert tile_rows == {"auto": want, "packed": 0, "torch": want}
+        assert gguf_weights.default_tile_rows(auto, torch.float32) == 0
 
 
 @pytest.mark.parametrize("cpu,widens", [

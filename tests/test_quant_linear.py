@@ -11,7 +11,7 @@ import torch
 
 from specdec.gguf_blocks import AffineCodes, decode_blocks
 from specdec.kernels import has_native
-from specdec.kernels.quant import _unpack_cpu, pack_quant_weight, quant_linear
+from specdec.kernels.quant import QuantWeight, _unpack_cpu, pack_quant_weight, quant_linear
 
 pytestmark = pytest.mark.skipif(not has_native("quant_linear"), reason="needs the compiled extension")
 
@@ -89,6 +89,63 @@ def test_batch_invariant(fmt, dtype):
     alone = torch.cat([quant_linear(x[i:i + 1], qw) for i in range(40)])
     for m in (2, 3, 6, 7, 8, 9, 16, 40):
         assert torch.equal(quant_linear(x[:m], qw), alone[:m]), m
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [5, 16, 21, 40])
+def test_tile_products_match_dequantize_then_matmul(fmt, m):
+    """bf16 products on AMX tiles (tile_rows; the vector kernel where the CPU has no tiles): the same product as
+    the reference, to bf16's rounding, biases included, over row tiles of 16 and a short last one."""
+    n, k = 50, 96 if fmt[1] == 32 else 80
+    ac = random_codes(n, k, *fmt, seed=m)
+    qw = pack_quant_weight(ac)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    for b in (None, torch.randn(n, generator=g).bfloat16()):
+        y = quant_linear(x, qw, b, tile_rows=5)
+        ref = reference(x.float(), ac, None if b is None else b.float())
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        torch.testing.assert_close(y.double(), ref.bfloat16().double(), rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:4])
+def test_tile_calls_are_batch_invariant_among_themselves(fmt):
+    """A row of a call on tiles does not depend on the rows that share it: rows 5..12 of a 40-row call equal the
+    same rows in an 8-row call and in a 21-row one (row tiles of 16 cut them differently), bit for bit."""
+    ac = random_codes(70, 128, *fmt)
+    qw = pack_quant_weight(ac)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    full = quant_linear(x, qw, tile_rows=5)
+    assert torch.equal(quant_linear(x[5:13], qw, tile_rows=5), full[5:13])
+    assert torch.equal(quant_linear(x[:21], qw, tile_rows=5), full[:21])
+
+
+def tile_sensitive_input() -> tuple[torch.Tensor, QuantWeight]:
+    """Five rows of x = (1, 2^-30, -1, 0, ...) against codes of 1: summed in order in fp32 (the vector kernel) the
+    2^-30 is lost; AMX's pair dot products keep it."""
+    codes = torch.zeros(16, 32, dtype=torch.int8)
+    codes[:, :3] = 1
+    qw = pack_quant_weight(AffineCodes(codes, torch.ones(16, 1), torch.zeros(16, 1), 4, 32, True, "test"))
+    x = torch.zeros(5, 32)
+    x[:, :3] = torch.tensor([1.0, 2.0 ** -30, -1.0])
+    return x.bfloat16(), qw
+
+
+def test_tiles_run_only_where_asked(monkeypatch):
+    """tile_rows = 0, fewer rows than tile_rows, fp32 x or SPECDEC_AMX=0 keep the vector kernel (batch-invariant
+    with one-row calls); on a CPU with AMX tiles a bf16 call of tile_rows rows or more takes them."""
+    from specdec.linear import cpu_has_matrix_tiles
+
+    x, qw = tile_sensitive_input()
+    vector = quant_linear(x[:1], qw)[0, 0].item()
+    assert vector == 0.0
+    assert quant_linear(x, qw)[0, 0].item() == vector
+    assert quant_linear(x, qw, tile_rows=6)[0, 0].item() == vector
+    assert quant_linear(x.float(), qw, tile_rows=1)[0, 0].item() == 0.0
+    tiles = quant_linear(x, qw, tile_rows=5)[0, 0].item()
+    assert tiles == (2.0 ** -30 if cpu_has_matrix_tiles(torch.bfloat16) else vector)
+    monkeypatch.setenv("SPECDEC_AMX", "0")
+    assert quant_linear(x, qw, tile_rows=5)[0, 0].item() == vector
 
 
 def test_fp32_weights_are_the_dense_weights_exactly():
@@ -179,11 +236,12 @@ def test_group_equals_the_separate_calls(fmt, dtype, m):
     g = torch.Generator().manual_seed(m)
     biases = [None, torch.randn(16, generator=g).to(dtype), None, torch.randn(33, generator=g).to(dtype)]
     x = torch.randn(2, m, k, generator=g).to(dtype)
-    ys = quant_linear_group(x, weights, biases)
-    assert len(ys) == 4
-    for y, w, b in zip(ys, weights, biases):
-        assert y.shape == (2, m, w.n) and y.dtype == dtype
-        assert torch.equal(y, quant_linear(x, w, b))
+    for tile_rows in (0, 5):
+        ys = quant_linear_group(x, weights, biases, tile_rows=tile_rows)
+        assert len(ys) == 4
+        for y, w, b in zip(ys, weights, biases):
+            assert y.shape == (2, m, w.n) and y.dtype == dtype
+            assert torch.equal(y, quant_linear(x, w, b, tile_rows=tile_rows))
 
 
 def test_group_mixed_formats_and_bad_input():

@@ -88,14 +88,15 @@ def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int, bias: tor
 
 @torch.library.register_fake("specdec::quant_linear")
 def _quant_linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bits: int, group: int, has_min: bool,
-                       f16_scale: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+                       f16_scale: bool, bias: torch.Tensor | None = None, tile_rows: int = 0) -> torch.Tensor:
     """``[M, n]`` in x's dtype."""
     return x.new_empty((x.shape[0], n))
 
 
 @torch.library.register_fake("specdec::quant_linear_group")
 def _quant_linear_group_fake(x: torch.Tensor, packed: list[torch.Tensor], n: list[int], k: int, bits: int, group: int,
-                             has_min: bool, f16_scale: bool, bias: list[torch.Tensor | None]) -> list[torch.Tensor]:
+                             has_min: bool, f16_scale: bool, bias: list[torch.Tensor | None],
+                             tile_rows: int = 0) -> list[torch.Tensor]:
     """``[M, n_i]`` in x's dtype, one per weight."""
     return [x.new_empty((x.shape[0], ni)) for ni in n]
 

@@ -11,7 +11,8 @@ per group of 16 or 32 ``k``) and is repacked once, per device, into the layout i
   pairs) with fp32 scales and mins ``[N, K / group]``.
 
 The activations are never quantized: every weight is rebuilt in fp32 and the products accumulate in fp32,
-so the result is the dense fp32 model's up to summation order, and (CPU) batch-invariant.
+so the result is the dense fp32 model's up to summation order, and (CPU) batch-invariant, unless a caller lets
+bf16 products of many rows run on AMX tiles (``tile_rows``).
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ from specdec.gguf_blocks import AffineCodes
 from specdec.kernels._dispatch import choose, native_ops, triton_kernels
 
 PANEL = 16
+
+# Rows from which bf16 products run faster on AMX tiles than on the vector kernel (csrc/quant_linear.cpp,
+# isa_amx): all 211 weights of SmolLM2-135M, 2 threads, Xeon with AMX, ms, vector / tiles: 8.7 / 11.0 at 4 rows,
+# 11.8 / 11.2 at 5, 14.2 / 12.2 at 8, 25.0 / 15.7 at 16 (bench/results/quant_tiles_amx.json).
+TILE_ROWS = 5
 
 
 def chunk_bytes(bits: int, group: int, has_min: bool, f16_scale: bool) -> int:
@@ -149,15 +155,18 @@ def pack_quant_weight(ac: AffineCodes, device: str | torch.device = "cpu") -> Qu
 
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None,
-                 backend: str | None = None) -> torch.Tensor:
+                 backend: str | None = None, tile_rows: int = 0) -> torch.Tensor:
     """``x . W^T + bias`` with ``W`` kept as packed affine codes (:func:`pack_quant_weight`).
 
     Args:
         x: ``[..., K]`` fp32/bf16/fp16 (never quantized); weight: a :class:`QuantWeight` ``[N, K]`` on x's device;
-        bias: ``[N]`` in x's dtype, or None.
+        bias: ``[N]`` in x's dtype, or None. tile_rows: bf16 products of at least this many rows run on the CPU's
+        AMX tiles where it has them (:data:`TILE_ROWS` is where they win); 0 (the default): never.
     Returns:
         ``[..., N]`` in x's dtype: fp32 products of x with the rebuilt weights, fp32 accumulation, one rounding.
-        On the CPU batch-invariant: row ``m`` of an ``M``-row call equals the row computed alone.
+        On the CPU batch-invariant: row ``m`` of an ``M``-row call equals the row computed alone, except that
+        calls on tiles (bf16, ``M >= tile_rows``) sum in the tile unit's order, so they agree bit for bit with each
+        other but not with calls of fewer rows.
     """
     if x.dim() < 1 or x.shape[-1] != weight.k:
         raise ValueError(f"x must be [..., K = {weight.k}], got shape {tuple(x.shape)}")
@@ -171,7 +180,7 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     route = choose("quant_linear", x.device, backend, ("cpu",), triton=True)
     if route == "native" and weight.packed is not None:
         y = native_ops().quant_linear(x2, weight.packed, weight.n, weight.k, weight.bits, weight.group,
-                                      weight.has_min, weight.f16_scale, bias)
+                                      weight.has_min, weight.f16_scale, bias, tile_rows)
     elif route == "triton" and weight.codes is not None:
         y = triton_kernels("quant_linear").quant_linear(x2, weight.codes, weight.scale, weight.minv, weight.bits,
                                                         weight.group, bias)
@@ -182,15 +191,15 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
 
 
 def quant_linear_group(x: torch.Tensor, weights: list[QuantWeight],
-                       biases: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+                       biases: list[torch.Tensor | None] | None = None, tile_rows: int = 0) -> list[torch.Tensor]:
     """``[x . W_i^T + b_i]`` for several weights over one x, in one call of the CPU kernel where the weights share
     a format (bits, group, scale type, min) and are packed for the CPU; otherwise one :func:`quant_linear` each.
 
     Args:
         x: ``[..., K]`` fp32/bf16/fp16; weights: :class:`QuantWeight` ``[N_i, K]`` on x's device; biases: ``[N_i]``
-        in x's dtype or None, one per weight (default: none).
+        in x's dtype or None, one per weight (default: none); tile_rows: as :func:`quant_linear`'s.
     Returns:
-        ``[..., N_i]`` per weight, each equal bit for bit to ``quant_linear(x, weights[i], biases[i])``.
+        ``[..., N_i]`` per weight, each equal bit for bit to ``quant_linear(x, weights[i], biases[i], tile_rows=...)``.
     """
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
@@ -201,7 +210,7 @@ def quant_linear_group(x: torch.Tensor, weights: list[QuantWeight],
     same = all((w.k, w.bits, w.group, w.has_min, w.f16_scale) == (w0.k, w0.bits, w0.group, w0.has_min, w0.f16_scale)
                and w.packed is not None for w in weights)
     if not (same and x.is_cpu and native_ops() is not None and hasattr(native_ops(), "quant_linear_group")):
-        return [quant_linear(x, w, b) for w, b in zip(weights, biases)]
+        return [quant_linear(x, w, b, tile_rows=tile_rows) for w, b in zip(weights, biases)]
     for w, b in zip(weights, biases):  # the single call's checks, per weight
         if x.dim() < 1 or x.shape[-1] != w.k:
             raise ValueError(f"x must be [..., K = {w.k}], got shape {tuple(x.shape)}")
@@ -211,5 +220,5 @@ def quant_linear_group(x: torch.Tensor, weights: list[QuantWeight],
         raise ValueError(f"quant_linear supports fp32/bf16/fp16 activations, got {x.dtype}")
     x2 = x.reshape(math.prod(x.shape[:-1]), w0.k)
     ys = native_ops().quant_linear_group(x2, [w.packed for w in weights], [w.n for w in weights], w0.k, w0.bits,
-                                         w0.group, w0.has_min, w0.f16_scale, biases)
+                                         w0.group, w0.has_min, w0.f16_scale, biases, tile_rows)
     return [y.view(*x.shape[:-1], w.n) for y, w in zip(ys, weights)]
