@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from specdec import settings
 from specdec.gguf_blocks import AffineCodes, decode_blocks
 from specdec.kernels import has_native
 from specdec.kernels.quant import TILE_ROWS, QuantWeight, pack_quant_weight, quant_linear
@@ -39,6 +40,9 @@ QUANT_MAX_ROWS = 64
 # at 16 rows, 24.2 / 27.8 at 32, 33.4 / 31.9 at 48, 44.6 / 34.1 at 64 (bench/results/quant_tiles_amx.json). A
 # batch's verification (16 rows of 2 tokens is 32) is where that pays.
 AMX_QUANT_MAX_ROWS = 40
+# ... and with the tiles switched off (SPECDEC_AMX=0), where the vector kernel's 19.2 ms at 12 rows and 25.0 at 16
+# meet torch's 26 (the configuration before the tiles, kept for A/B runs).
+AMX_VECTOR_QUANT_MAX_ROWS = 12
 
 
 def _dense_path_is_tile_gemm(linear: nn.Module, dtype: torch.dtype) -> bool:
@@ -49,17 +53,24 @@ def _dense_path_is_tile_gemm(linear: nn.Module, dtype: torch.dtype) -> bool:
     return cpu_has_matrix_tiles(dtype) and dense_rows <= AMX_PACKED_MAX_ROWS
 
 
+def _tiles_switched_on() -> bool:
+    return settings.get("SPECDEC_AMX") != "0"
+
+
 def default_quant_max_rows(linear: nn.Module, dtype: torch.dtype) -> int:
     """Rows up to which ``linear``'s products run the quantized kernel: :data:`AMX_QUANT_MAX_ROWS` where its dense
-    path is torch's AMX GEMM (:func:`_dense_path_is_tile_gemm`), else :data:`QUANT_MAX_ROWS`."""
-    return AMX_QUANT_MAX_ROWS if _dense_path_is_tile_gemm(linear, dtype) else QUANT_MAX_ROWS
+    path is torch's AMX GEMM (:func:`_dense_path_is_tile_gemm`; :data:`AMX_VECTOR_QUANT_MAX_ROWS` with
+    ``SPECDEC_AMX=0``), else :data:`QUANT_MAX_ROWS`."""
+    if not _dense_path_is_tile_gemm(linear, dtype):
+        return QUANT_MAX_ROWS
+    return AMX_QUANT_MAX_ROWS if _tiles_switched_on() else AMX_VECTOR_QUANT_MAX_ROWS
 
 
 def default_tile_rows(linear: nn.Module, dtype: torch.dtype) -> int:
     """Rows from which ``linear``'s quantized products run on AMX tiles (:func:`specdec.kernels.quant.quant_linear`'s
     ``tile_rows``): :data:`specdec.kernels.quant.TILE_ROWS` where the dense path is torch's AMX GEMM (bit-exact
-    batch invariance was not asked for), else 0, never."""
-    return TILE_ROWS if _dense_path_is_tile_gemm(linear, dtype) else 0
+    batch invariance was not asked for) and ``SPECDEC_AMX`` is not 0, else 0, never."""
+    return TILE_ROWS if _dense_path_is_tile_gemm(linear, dtype) and _tiles_switched_on() else 0
 
 
 class QuantLinear(SkinnyLinear):

@@ -173,6 +173,11 @@ def test_quant_rows_hand_over_to_the_tile_gemm_only_where_it_wins(monkeypatch):
         want = gguf_weights.TILE_ROWS if tiles else 0
         assert tile_rows == {"auto": want, "packed": 0, "torch": want}
         assert gguf_weights.default_tile_rows(auto, torch.float32) == 0
+        monkeypatch.setenv("SPECDEC_AMX", "0")  # A/B: the configuration before the tiles
+        assert gguf_weights.default_tile_rows(auto, torch.bfloat16) == 0
+        want = gguf_weights.AMX_VECTOR_QUANT_MAX_ROWS if tiles else gguf_weights.QUANT_MAX_ROWS
+        assert gguf_weights.default_quant_max_rows(auto, torch.bfloat16) == want
+        monkeypatch.delenv("SPECDEC_AMX")
 
 
 @pytest.mark.parametrize("cpu,widens", [
