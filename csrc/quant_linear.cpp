@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -121,10 +122,10 @@ struct Ops {
 // applied in fp32 as above. One TDPBF16PS does a group of 16 columns for up to 16 rows, so a weight's cost barely
 // grows with the rows, where the vector kernel pays 2 multiply-adds a weight a row. At one row it loses: each
 // group's codes go through L1 as a 1 KB bf16 tile, and the tile loads do not overlap the decoding. All 211
-// weights of SmolLM2-135M, 2 threads, Xeon with AMX, ms, vector / tiles: 6.6 / 9.8 at one row, 8.5 / 10.6 at 4,
-// 14.0 / 11.6 at 8, 24.8 / 14.6 at 16, 46.4 / 22.9 at 32 (bench/RESULTS.md). Rows of a tile call depend on their
-// own activations alone (batch-invariant among calls of at least tile_rows rows), but not bit for bit equal to
-// the vector kernel's: a caller that needs one-token steps and verifications to agree passes tile_rows = 0.
+// weights of SmolLM2-135M, 2 threads, Xeon with AMX, ms, vector / tiles: 6.5 / 9.9 at one row, 8.7 / 11.0 at 4,
+// 14.2 / 12.2 at 8, 25.0 / 15.7 at 16, 47.3 / 24.2 at 32 (bench/results/quant_tiles_amx.json). Rows of a tile call
+// depend on their own activations alone (batch-invariant among calls of at least tile_rows rows), but not bit for
+// bit equal to the vector kernel's: a caller that needs one-token steps and verifications to agree passes 0.
 // TDPBF16PS reads bf16 subnormal inputs as zero and flushes subnormal sums to zero.
 namespace isa_amx {
 
@@ -149,6 +150,7 @@ SPECDEC_INLINE void configure(int mt, int G) {
     c.rows[3 * s + 2] = static_cast<uint8_t>(mt);
     c.colsb[3 * s + 2] = 64;
   }
+  asm volatile("" ::"r"(&c) : "memory");  // GCC 12's _tile_loadconfig names 8 of the config's 64 bytes as read
   _tile_loadconfig(&c);
 }
 

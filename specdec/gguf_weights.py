@@ -37,9 +37,9 @@ QUANT_MAX_ROWS = 64
 # The same limit for bf16 on a CPU with AMX tiles, where the dense path hands products past a few rows to torch's
 # GEMM (oneDNN's tile instructions; --linear auto) and the quantized kernel runs from TILE_ROWS rows on tiles too:
 # all 211 weights of SmolLM2-135M over M rows, 2 threads, ms, blocks on tiles / torch's dense bf16 GEMM: 15.7 / 25.9
-# at 16 rows, 24.2 / 27.8 at 32, 33.4 / 31.9 at 48, 44.6 / 34.1 at 64 (bench/results/quant_tiles_amx.json). A
-# batch's verification (16 rows of 2 tokens is 32) is where that pays.
-AMX_QUANT_MAX_ROWS = 40
+# at 16 rows, 24.2 / 27.8 at 32, 33.4 / 31.9 at 48, 44.6 / 34.1 at 64 (bench/results/quant_tiles_amx.json; a third
+# tile of 16 rows starts at 33). A batch's verification (16 rows of 2 tokens is 32) is where that pays.
+AMX_QUANT_MAX_ROWS = 32
 # ... and with the tiles switched off (SPECDEC_AMX=0), where the vector kernel's 19.2 ms at 12 rows and 25.0 at 16
 # meet torch's 26 (the configuration before the tiles, kept for A/B runs).
 AMX_VECTOR_QUANT_MAX_ROWS = 12
@@ -129,8 +129,8 @@ class QuantLinear(SkinnyLinear):
             rows = x.numel() // k if k else 0
             if 0 < rows <= self.quant_max_rows and x.shape[-1] == k:
                 op = torch.ops.specdec.quant_linear.default
-                y = op(x.reshape(rows, k), q.packed, q.n, k, q.bits, q.group, q.has_min, q.f16_scale, self.bias,
-                       self.tile_rows)
+                tiles = (self.tile_rows,) if self.tile_rows else ()
+                y = op(x.reshape(rows, k), q.packed, q.n, k, q.bits, q.group, q.has_min, q.f16_scale, self.bias, *tiles)
                 return y.view(x.shape[:-1] + (q.n,))
             # A prompt: the dense weights through the kernel --linear chose (in fp32 they are the blocks' exact
             # values; in bf16 their rounding), or widened to fp32 where that is faster. Rebuilding fp32 weights

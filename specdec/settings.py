@@ -30,7 +30,7 @@ SWITCHES: dict[str, str] = {
                         "AVX-512-BF16 (an A/B switch)",
     "SPECDEC_AMX": "0: quantized-weight products stay on the vector kernel even where a caller lets bf16 products of "
                    "many rows run on the CPU's AMX tiles (read by csrc/quant_linear.cpp at each call), and GGUF "
-                   "models loaded then hand bf16 products past 12 rows, not 40, to torch's GEMM: the configuration "
+                   "models loaded then hand bf16 products past 12 rows, not 32, to torch's GEMM: the configuration "
                    "before the tiles, for A/B runs",
     "SPECDEC_ATTENTION_DIRECT_ROWS": "the row limit (query heads x queries) up to which the C++ tree-attention "
                                      "kernel skips its key panels, on any CPU; 0 forces the panels (default: 32 "

@@ -157,6 +157,7 @@ def test_quant_rows_hand_over_to_the_tile_gemm_only_where_it_wins(monkeypatch):
     from specdec import gguf_weights
     from specdec.linear import SkinnyLinear
 
+    monkeypatch.delenv("SPECDEC_AMX", raising=False)
     auto = SkinnyLinear.from_linear(torch.nn.Linear(32, 16), 8)
     packed = SkinnyLinear.from_linear(torch.nn.Linear(32, 16), 64)
     plain = torch.nn.Linear(32, 16)

@@ -122,7 +122,8 @@ def test_tile_calls_are_batch_invariant_among_themselves(fmt):
 
 def tile_sensitive_input() -> tuple[torch.Tensor, QuantWeight]:
     """Five rows of x = (1, 2^-30, -1, 0, ...) against codes of 1: summed in order in fp32 (the vector kernel) the
-    2^-30 is lost; AMX's pair dot products keep it."""
+    2^-30 is lost. The tile unit keeps it: observed on a Sapphire Rapids Xeon, not documented (Intel's pseudo-code
+    rounds each product into fp32 in k order, which would lose it too)."""
     codes = torch.zeros(16, 32, dtype=torch.int8)
     codes[:, :3] = 1
     qw = pack_quant_weight(AffineCodes(codes, torch.ones(16, 1), torch.zeros(16, 1), 4, 32, True, "test"))
@@ -136,6 +137,7 @@ def test_tiles_run_only_where_asked(monkeypatch):
     with one-row calls); on a CPU with AMX tiles a bf16 call of tile_rows rows or more takes them."""
     from specdec.linear import cpu_has_matrix_tiles
 
+    monkeypatch.delenv("SPECDEC_AMX", raising=False)
     x, qw = tile_sensitive_input()
     vector = quant_linear(x[:1], qw)[0, 0].item()
     assert vector == 0.0
@@ -146,6 +148,35 @@ def test_tiles_run_only_where_asked(monkeypatch):
     assert tiles == (2.0 ** -30 if cpu_has_matrix_tiles(torch.bfloat16) else vector)
     monkeypatch.setenv("SPECDEC_AMX", "0")
     assert quant_linear(x, qw, tile_rows=5)[0, 0].item() == vector
+
+
+def test_tile_products_split_over_many_tasks():
+    """A weight of 300 panels runs as several tasks of the thread pool, each starting its own double buffer at its
+    first panel: every output still matches the reference, and equals the same rows in a call of other rows."""
+    ac = random_codes(16 * 300 - 5, 64, 4, 32, True, True, seed=3)
+    qw = pack_quant_weight(ac)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    y = quant_linear(x, qw, tile_rows=5)
+    ref = reference(x.float(), ac, None)
+    torch.testing.assert_close(y.double(), ref.bfloat16().double(), rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    assert torch.equal(quant_linear(x[3:9], qw, tile_rows=5), y[3:9])
+
+
+def test_a_quant_linear_passes_its_tile_rows(monkeypatch):
+    """QuantLinear hands its tile_rows to the kernel: on an AMX CPU its products of 5 rows round as tile calls."""
+    from specdec.gguf_weights import QuantLinear
+    from specdec.linear import cpu_has_matrix_tiles
+
+    monkeypatch.delenv("SPECDEC_AMX", raising=False)
+    x, qw = tile_sensitive_input()
+    dense = torch.nn.Linear(32, 16, bias=False).bfloat16()
+    for tiles in (0, 5):
+        lin = QuantLinear.from_quant(dense, qw, max_rows=64, widen_prompts=False, tile_rows=tiles)
+        with torch.no_grad():
+            want = quant_linear(x, qw, tile_rows=tiles)
+            assert torch.equal(lin(x), want)
+            assert torch.equal(lin(x.view(1, 5, 32)), want.view(1, 5, 16))
+            assert lin(x)[0, 0].item() == (2.0 ** -30 if tiles and cpu_has_matrix_tiles(torch.bfloat16) else 0.0)
 
 
 def test_fp32_weights_are_the_dense_weights_exactly():

@@ -179,8 +179,9 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     x2 = x.reshape(math.prod(x.shape[:-1]), weight.k)
     route = choose("quant_linear", x.device, backend, ("cpu",), triton=True)
     if route == "native" and weight.packed is not None:
+        tiles = (tile_rows,) if tile_rows else ()  # an extension built before the argument still takes the call
         y = native_ops().quant_linear(x2, weight.packed, weight.n, weight.k, weight.bits, weight.group,
-                                      weight.has_min, weight.f16_scale, bias, tile_rows)
+                                      weight.has_min, weight.f16_scale, bias, *tiles)
     elif route == "triton" and weight.codes is not None:
         y = triton_kernels("quant_linear").quant_linear(x2, weight.codes, weight.scale, weight.minv, weight.bits,
                                                         weight.group, bias)
@@ -220,5 +221,6 @@ def quant_linear_group(x: torch.Tensor, weights: list[QuantWeight],
         raise ValueError(f"quant_linear supports fp32/bf16/fp16 activations, got {x.dtype}")
     x2 = x.reshape(math.prod(x.shape[:-1]), w0.k)
     ys = native_ops().quant_linear_group(x2, [w.packed for w in weights], [w.n for w in weights], w0.k, w0.bits,
-                                         w0.group, w0.has_min, w0.f16_scale, biases, tile_rows)
+                                         w0.group, w0.has_min, w0.f16_scale, biases,
+                                         *((tile_rows,) if tile_rows else ()))
     return [y.view(*x.shape[:-1], w.n) for y, w in zip(ys, weights)]
