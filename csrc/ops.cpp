@@ -27,7 +27,7 @@ TORCH_LIBRARY(specdec, m) {
   m.def("quant_linear(Tensor x, Tensor packed, int n, int k, int bits, int group, bool has_min, bool f16_scale, "
         "Tensor? bias=None, int tile_rows=0) -> Tensor");
   m.def("quant_linear_group(Tensor x, Tensor[] packed, int[] n, int k, int bits, int group, bool has_min, "
-        "bool f16_scale, Tensor?[] bias, int tile_rows=0) -> Tensor[]");
+        "bool f16_scale, Tensor?[] bias, int tile_rows=0) -> Tensor");
   m.def("quant_dequantize(Tensor packed, int n, int k, int bits, int group, bool has_min, bool f16_scale) -> Tensor");
   m.def("tree_verify_greedy(Tensor tokens, Tensor parents, Tensor target_logits, Tensor? valid=None) -> "
         "(Tensor path, Tensor length, Tensor next_token)");

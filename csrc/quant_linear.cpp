@@ -62,13 +62,14 @@ struct Args {
   const uint8_t* w;    // [P, groups, chunk]
   const float* b;      // [N] fp32 or null
   float* y;            // [M, N] fp32 sums plus bias (rounded to the output dtype after, where it is not fp32)
+  int64_t ldy;         // y's row stride (a product of a group writes its columns of the group's one output)
   int64_t M, N, K, groups, chunk;
   int group;
 };
 
 SPECDEC_INLINE void store_row(const Args& a, int64_t m, int64_t p, const float* v) {
   const int64_t n0 = p * kPanel, cols = std::min<int64_t>(kPanel, a.N - n0);
-  float* out = a.y + m * a.N + n0;
+  float* out = a.y + m * a.ldy + n0;
   for (int c = 0; c < cols; ++c) out[c] = a.b != nullptr ? v[c] + a.b[n0 + c] : v[c];
 }
 
@@ -399,7 +400,8 @@ void check_format(const char* op, const at::Tensor& packed, int64_t n, int64_t k
               "] for N = ", n, ", K = ", k, ", got ", packed.sizes());
 }
 
-// One weight of a call: its packed panels, its bias (contiguous fp32, or undefined) and its output [M, n].
+// One weight of a call: its packed panels, its bias (contiguous fp32, or undefined) and its output [M, n] (rows of
+// stride y.stride(0): a group's products write side by side into one output).
 struct Product {
   at::Tensor w, b, y;
   int64_t n;
@@ -443,10 +445,12 @@ void run_products(const at::Tensor& x, std::vector<Product>& ps, int64_t k, int6
   std::vector<int64_t> first{0};  // first[i]: the index of weight i's first unit of panels
   int64_t offset = 0;
   for (auto& p : ps) {
-    float* y32 = dtype == at::kFloat ? p.y.mutable_data_ptr<float>() : sums.data() + offset;
+    const bool direct = dtype == at::kFloat;
+    float* y32 = direct ? p.y.mutable_data_ptr<float>() : sums.data() + offset;
     offset += M * p.n;
     args.push_back(Args{xf, xb, xsums.data(), p.w.const_data_ptr<uint8_t>(),
-                        p.b.defined() ? p.b.const_data_ptr<float>() : nullptr, y32, M, p.n, k, groups, p.w.size(2),
+                        p.b.defined() ? p.b.const_data_ptr<float>() : nullptr, y32, direct ? p.y.stride(0) : p.n, M,
+                        p.n, k, groups, p.w.size(2),
                         static_cast<int>(group)});
     first.push_back(first.back() + (p.w.size(0) + unit - 1) / unit);
   }
@@ -467,12 +471,15 @@ void run_products(const at::Tensor& x, std::vector<Product>& ps, int64_t k, int6
   for (auto& p : ps) {
     const float* src = sums.data() + offset;
     offset += M * p.n;
+    const int64_t ld = p.y.stride(0);
     if (dtype == at::kBFloat16) {
       auto* out = p.y.mutable_data_ptr<at::BFloat16>();
-      for (int64_t i = 0; i < M * p.n; ++i) out[i] = static_cast<at::BFloat16>(src[i]);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < p.n; ++c) out[m * ld + c] = static_cast<at::BFloat16>(src[m * p.n + c]);
     } else if (dtype == at::kHalf) {
       auto* out = p.y.mutable_data_ptr<at::Half>();
-      for (int64_t i = 0; i < M * p.n; ++i) out[i] = static_cast<at::Half>(src[i]);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < p.n; ++c) out[m * ld + c] = static_cast<at::Half>(src[m * p.n + c]);
     }
   }
 }
@@ -499,21 +506,28 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64
 
 // specdec::quant_linear_group: the products of one x with several weights of one format (a layer's q, k and v
 // projections, or its gate and up projections) in one call, as specdec/compile_passes.py groups them: one pass of
-// the thread pool where separate calls would pay its fixed cost once a weight.
-std::vector<at::Tensor> quant_linear_group_cpu(const at::Tensor& x, at::TensorList packed, at::IntArrayRef n,
-                                               int64_t k, int64_t bits, int64_t group, bool has_min, bool f16_scale,
-                                               const c10::List<std::optional<at::Tensor>>& bias, int64_t tile_rows) {
+// the thread pool where separate calls would pay its fixed cost once a weight. The outputs come side by side in
+// one [M, sum n] tensor (weight i's columns after those of weights 0 .. i-1; callers take column slices): one
+// tensor, not a list, so that inductor's C++ wrapper calls the op through the dispatcher, not back through Python.
+at::Tensor quant_linear_group_cpu(const at::Tensor& x, at::TensorList packed, at::IntArrayRef n, int64_t k,
+                                  int64_t bits, int64_t group, bool has_min, bool f16_scale,
+                                  const c10::List<std::optional<at::Tensor>>& bias, int64_t tile_rows) {
   TORCH_CHECK(packed.size() == n.size() && bias.size() == n.size(), "quant_linear_group: ", packed.size(),
               " packed weights, ", n.size(), " sizes and ", bias.size(), " biases: one each per weight");
   const auto dtype = check_x("quant_linear_group", x, k);
-  std::vector<Product> ps;
-  std::vector<at::Tensor> out;
+  int64_t total = 0;
   for (size_t i = 0; i < n.size(); ++i) {
     check_format("quant_linear_group", packed[i], n[i], k, bits, group, has_min, f16_scale);
-    out.push_back(at::empty({x.size(0), n[i]}, x.options()));
+    total += n[i];
+  }
+  auto out = at::empty({x.size(0), total}, x.options());
+  std::vector<Product> ps;
+  int64_t col = 0;
+  for (size_t i = 0; i < n.size(); ++i) {
     if (n[i] > 0)
       ps.push_back({packed[i].contiguous(), linear::bias_fp32("quant_linear_group", bias.get(i), n[i], dtype),
-                    out.back(), n[i]});
+                    out.narrow(1, col, n[i]), n[i]});
+    col += n[i];
   }
   run_products(x, ps, k, bits, group, has_min, f16_scale, tile_rows);
   return out;

@@ -14,8 +14,6 @@ are for. Eager forwards keep the separate calls.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -72,11 +70,17 @@ def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
         fused = graph.call_function(torch.ops.specdec.quant_linear_group.default,
                                     (x, [m.args[1] for m in members], [m.args[2] for m in members], k, bits, group,
                                      has_min, f16, [_bias(m) for m in members], _tile_rows(first)))
-        fused.meta["val"] = [m.meta.get("val") for m in members]
-        for i, m in enumerate(members):
-            item = graph.call_function(operator.getitem, (fused, i))
-            item.meta["val"] = m.meta.get("val")
-            m.replace_all_uses_with(item)
+        val = first.meta.get("val")
+        if val is not None:  # the op's one [M, sum n] output (a fake tensor, in the first product's fake mode)
+            fused.meta["val"] = val.new_empty((val.shape[0], sum(m.args[2] for m in members)))
+        start = 0
+        for m in members:
+            stop = start + m.args[2]
+            part = graph.call_function(torch.ops.aten.slice.Tensor, (fused, 1, start, stop))
+            if fused.meta.get("val") is not None:
+                part.meta["val"] = fused.meta["val"][:, start:stop]
+            m.replace_all_uses_with(part)
+            start = stop
     for m in members:
         graph.erase_node(m)
 

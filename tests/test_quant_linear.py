@@ -292,5 +292,19 @@ def test_group_mixed_formats_and_bad_input():
         torch.ops.specdec.quant_linear_group(x, [a.packed, a.packed], [16], 64, 4, 32, True, True, [None, None])
     with pytest.raises(RuntimeError, match="packed must be"):
         torch.ops.specdec.quant_linear_group(x, [a.packed, b.packed], [16, 8], 64, 4, 32, True, True, [None, None])
-    assert [y.shape for y in torch.ops.specdec.quant_linear_group(torch.randn(0, 64), [a.packed], [16], 64, 4, 32,
-                                                                  True, True, [None])] == [(0, 16)]
+    assert torch.ops.specdec.quant_linear_group(torch.randn(0, 64), [a.packed], [16], 64, 4, 32, True, True,
+                                                [None]).shape == (0, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_op_puts_the_outputs_side_by_side(dtype):
+    """The raw op returns one [M, sum n] tensor, weight i's columns after those of the weights before it (one tensor
+    so that inductor's C++ wrapper can call it without Python), each block the weight's own product bit for bit; a
+    weight of no columns takes none."""
+    ws = [pack_quant_weight(random_codes(n, 64, 4, 32, True, True, seed=n)) for n in (20, 0, 33)]
+    x = torch.randn(5, 64).to(dtype)
+    bias = torch.randn(33).to(dtype)
+    y = torch.ops.specdec.quant_linear_group(x, [w.packed for w in ws], [20, 0, 33], 64, 4, 32, True, True,
+                                             [None, None, bias])
+    assert y.shape == (5, 53) and y.dtype == dtype
+    assert torch.equal(y, torch.cat([quant_linear(x, ws[0]), quant_linear(x, ws[2], bias)], dim=1))

@@ -96,9 +96,9 @@ def _quant_linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bi
 @torch.library.register_fake("specdec::quant_linear_group")
 def _quant_linear_group_fake(x: torch.Tensor, packed: list[torch.Tensor], n: list[int], k: int, bits: int, group: int,
                              has_min: bool, f16_scale: bool, bias: list[torch.Tensor | None],
-                             tile_rows: int = 0) -> list[torch.Tensor]:
-    """``[M, n_i]`` in x's dtype, one per weight."""
-    return [x.new_empty((x.shape[0], ni)) for ni in n]
+                             tile_rows: int = 0) -> torch.Tensor:
+    """``[M, sum n_i]`` in x's dtype: the weights' outputs side by side."""
+    return x.new_empty((x.shape[0], sum(n)))
 
 
 @torch.library.register_fake("specdec::quant_dequantize")

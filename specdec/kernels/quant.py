@@ -91,6 +91,8 @@ def _pack_cpu(ac: AffineCodes) -> torch.Tensor:
     n, k = ac.shape
     g, groups, p = ac.group, k // ac.group, -(-n // PANEL)
     pad = p * PANEL - n
+    if n == 0:  # a weight of no columns: no panels (the reshapes below cannot infer sizes from nothing)
+        return torch.empty(0, groups, chunk_bytes(ac.bits, g, ac.minv is not None, ac.scale_fp16), dtype=torch.uint8)
 
     def params(t: torch.Tensor) -> torch.Tensor:  # [n, groups] -> [p, groups, 16 * bytes]
         t = torch.nn.functional.pad(t, (0, 0, 0, pad)).view(p, PANEL, groups).transpose(1, 2).contiguous()
@@ -137,7 +139,7 @@ def pack_quant_weight(ac: AffineCodes, device: str | torch.device = "cpu") -> Qu
     n, k = ac.shape
     if ac.bits not in (4, 8) or ac.group not in (16, 32) or k % ac.group:
         raise ValueError(f"unsupported affine codes: bits={ac.bits}, group={ac.group}, shape {list(ac.shape)}")
-    if ac.bits == 4 and (int(ac.codes.min()) < 0 or int(ac.codes.max()) > 15):
+    if ac.bits == 4 and ac.codes.numel() and (int(ac.codes.min()) < 0 or int(ac.codes.max()) > 15):
         raise ValueError("4-bit codes must lie in 0..15")
     if ac.scale_fp16 and not all(torch.equal(t.half().float(), t) for t in (ac.scale, ac.minv) if t is not None):
         raise ValueError("scale_fp16 claimed but a scale or min is not an exact fp16 value")
@@ -200,7 +202,8 @@ def quant_linear_group(x: torch.Tensor, weights: list[QuantWeight],
         x: ``[..., K]`` fp32/bf16/fp16; weights: :class:`QuantWeight` ``[N_i, K]`` on x's device; biases: ``[N_i]``
         in x's dtype or None, one per weight (default: none); tile_rows: as :func:`quant_linear`'s.
     Returns:
-        ``[..., N_i]`` per weight, each equal bit for bit to ``quant_linear(x, weights[i], biases[i], tile_rows=...)``.
+        ``[..., N_i]`` per weight, each equal bit for bit to ``quant_linear(x, weights[i], biases[i], tile_rows=...)``
+        (column slices of the op's one ``[M, sum N_i]`` output where the native kernel ran, so not contiguous).
     """
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
@@ -220,7 +223,7 @@ def quant_linear_group(x: torch.Tensor, weights: list[QuantWeight],
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"quant_linear supports fp32/bf16/fp16 activations, got {x.dtype}")
     x2 = x.reshape(math.prod(x.shape[:-1]), w0.k)
-    ys = native_ops().quant_linear_group(x2, [w.packed for w in weights], [w.n for w in weights], w0.k, w0.bits,
-                                         w0.group, w0.has_min, w0.f16_scale, biases,
-                                         *((tile_rows,) if tile_rows else ()))
-    return [y.view(*x.shape[:-1], w.n) for y, w in zip(ys, weights)]
+    y = native_ops().quant_linear_group(x2, [w.packed for w in weights], [w.n for w in weights], w0.k, w0.bits,
+                                        w0.group, w0.has_min, w0.f16_scale, biases,
+                                        *((tile_rows,) if tile_rows else ()))
+    return [part.view(*x.shape[:-1], w.n) for part, w in zip(y.split([w.n for w in weights], dim=1), weights)]
