@@ -260,7 +260,7 @@ With ``--compile`` a second runner over the same model runs its forwards through
 hooks' own cost); hooks would break its graph, so it gets no linear/rest split. ``--ablate`` adds one compiled
 runner per option of :func:`specdec.compile_passes.compile_options` with that option undone (``ungrouped@T``: the
 quantized products that share an input called one by one; ``asserts@T``: inductor's size and alignment asserts
-back on): what each is worth. Compiled runners compile lazily, on their first timed call (a slow sample that the
+back on; ``python_wrapper@T``: the graph's wrapper in Python, not C++): what each is worth. Compiled runners compile lazily, on their first timed call (a slow sample that the
 best-of leaves out), so only the graphs of the sizes asked for are built.
 
     python -m bench.profile forward-split --dtype bf16 --context 200 --sizes 1,4 --compile --ablate
@@ -271,6 +271,7 @@ best-of leaves out), so only the graphs of the sizes asked for are built.
 ABLATIONS = {
     "ungrouped": lambda o: {k: v for k, v in o.items() if k != "post_grad_custom_post_pass"},
     "asserts": lambda o: {**o, "size_asserts": True, "alignment_asserts": True},
+    "python_wrapper": lambda o: {k: v for k, v in o.items() if not k.startswith("cpp_wrapper")},
 }
 
 

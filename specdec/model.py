@@ -355,8 +355,9 @@ class ModelRunner:
         an earlier process compiled and saved (:mod:`specdec.precompile`), the other forwards eagerly; nothing
         compiles and :meth:`warm_up` does nothing.
 
-        compile_options: inductor's options for it (default :func:`specdec.compile_passes.compile_options`: the
-        quantized products that share an input run as one call; ``{}`` for none, an A/B run's other arm).
+        compile_options: inductor's options for it (default :func:`specdec.compile_passes.compile_options` for the
+        model's device: the quantized products that share an input run as one call, a C++ wrapper on the CPU;
+        ``{}`` for none, an A/B run's other arm).
         """
         if getattr(model.config, "is_encoder_decoder", False):
             raise ValueError("specdec supports decoder-only models")
@@ -385,7 +386,8 @@ class ModelRunner:
             # ``compiled_calls`` counts instead.
             from specdec.compile_passes import compile_options as default_options
 
-            options = default_options() if compile_options is None else compile_options
+            device_type = next(model.parameters()).device.type
+            options = default_options(device_type) if compile_options is None else compile_options
             if compile == "saved":  # only what an earlier process saved; other forwards run eagerly
                 self._compiled = precompile.PrecompiledForward(model, options, capture=False)
             elif precompile.enabled():  # graphs saved by an earlier process load in seconds
