@@ -302,7 +302,8 @@ def forward_split(args: argparse.Namespace) -> None:
 
         arms["compiled"] = ModelRunner(runner.model, compile=True)
         for name, undo in (ABLATIONS.items() if args.ablate else ()):
-            arms[name] = ModelRunner(runner.model, compile=True, compile_options=undo(compile_options()))
+            device_type = next(runner.model.parameters()).device.type
+            arms[name] = ModelRunner(runner.model, compile=True, compile_options=undo(compile_options(device_type)))
     for r in [runner, *arms.values()]:
         r.reset(1, args.context + max(sizes) + 1)
         r.prefill(prompt, torch.tensor([args.context]))
@@ -736,7 +737,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="also time a compiled runner's forwards")
     p.add_argument("--ablate", action="store_true",
                    help="with --compile, also one compiled runner per compile option undone (ungrouped products, "
-                        "inductor's asserts): what each is worth")
+                        "inductor's asserts, the C++ wrapper): what each is worth")
     p.set_defaults(run=forward_split)
 
     p = subcommand(subs, "model-linears", MODEL_LINEARS)

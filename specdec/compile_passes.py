@@ -85,14 +85,14 @@ def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
         graph.erase_node(m)
 
 
-def compile_options(device_type: str = "cpu") -> dict:
+def compile_options(device_type: str) -> dict:
     """The inductor options of the runner's compiled forwards on ``device_type``'s models.
 
     Besides the grouping pass: no size, stride or alignment asserts in the generated wrapper. Inductor checks every
     input of a graph with them on every call (about 640 for a one-token step of SmolLM2-135M: its 272 weights, the
-    30 layers' KV buffers, the small inputs), in Python, where dynamo's guards have already checked the same tensors
-    in C++: 2.0 ms of a 14.2 ms compiled step on a 2-core Xeon (``bench.profile forward-split --compile
-    --ungrouped``'s companion A/B, bench/RESULTS.md). A custom op whose fake output disagrees with its real one is
+    30 layers' KV buffers, the small inputs), where dynamo's guards have already checked the same tensors: 2.0 ms of
+    a 14.2 ms compiled step on a 2-core Xeon with the Python wrapper (``bench.profile forward-split --compile
+    --ablate``, its ``asserts`` arm; bench/RESULTS.md). A custom op whose fake output disagrees with its real one is
     caught by the identity tests of the compiled runners instead (tests/test_compile*.py).
 
     On the CPU the wrapper is C++ (inductor's ``cpp_wrapper``): a one-token step of SmolLM2-135M makes about 150

@@ -2,7 +2,8 @@
 
 ``torch.compile`` makes every specdec method about 1.3x faster on a CPU, but compiling the decode
 graphs takes minutes there (on one core of the EPYC, SmolLM2-135M bf16: 218 s with an empty cache,
-68 s from inductor's warm on-disk cache). Compile modes:
+68 s from inductor's warm on-disk cache, with inductor's Python wrapper; its C++ wrapper, the CPU default since,
+about doubles the compile, see :func:`specdec.compile_passes.compile_options`). Compile modes:
 
 - ``on``: compile now; the constructor returns when every runner is warm (the old ``--compile``).
 - ``auto`` (default): decode eagerly at once while a background thread builds compiled runners over

@@ -296,7 +296,7 @@ def test_group_mixed_formats_and_bad_input():
                                                 [None]).shape == (0, 16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_group_op_puts_the_outputs_side_by_side(dtype):
     """The raw op returns one [M, sum n] tensor, weight i's columns after those of the weights before it (one tensor
     so that inductor's C++ wrapper can call it without Python), each block the weight's own product bit for bit; a
