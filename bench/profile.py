@@ -260,8 +260,9 @@ With ``--compile`` a second runner over the same model runs its forwards through
 hooks' own cost); hooks would break its graph, so it gets no linear/rest split. ``--ablate`` adds one compiled
 runner per option of :func:`specdec.compile_passes.compile_options` with that option undone (``ungrouped@T``: the
 quantized products that share an input called one by one; ``asserts@T``: inductor's size and alignment asserts
-back on; ``python_wrapper@T``: the graph's wrapper in Python, not C++): what each is worth. Compiled runners compile lazily, on their first timed call (a slow sample that the
-best-of leaves out), so only the graphs of the sizes asked for are built.
+back on; ``python_wrapper@T``: the graph's wrapper in Python, not C++): what each is worth. Compiled runners
+compile lazily, on their first timed call (a slow sample that the best-of leaves out), so only the graphs of the
+sizes asked for are built.
 
     python -m bench.profile forward-split --dtype bf16 --context 200 --sizes 1,4 --compile --ablate
 """
@@ -301,8 +302,8 @@ def forward_split(args: argparse.Namespace) -> None:
         from specdec.compile_passes import compile_options
 
         arms["compiled"] = ModelRunner(runner.model, compile=True)
+        device_type = next(runner.model.parameters()).device.type
         for name, undo in (ABLATIONS.items() if args.ablate else ()):
-            device_type = next(runner.model.parameters()).device.type
             arms[name] = ModelRunner(runner.model, compile=True, compile_options=undo(compile_options(device_type)))
     for r in [runner, *arms.values()]:
         r.reset(1, args.context + max(sizes) + 1)

@@ -72,13 +72,13 @@ def _fuse(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
                                      has_min, f16, [_bias(m) for m in members], _tile_rows(first)))
         val = first.meta.get("val")
         if val is not None:  # the op's one [M, sum n] output (a fake tensor, in the first product's fake mode)
-            fused.meta["val"] = val.new_empty((val.shape[0], sum(m.args[2] for m in members)))
+            val = fused.meta["val"] = val.new_empty((val.shape[0], sum(m.args[2] for m in members)))
         start = 0
         for m in members:
             stop = start + m.args[2]
             part = graph.call_function(torch.ops.aten.slice.Tensor, (fused, 1, start, stop))
-            if fused.meta.get("val") is not None:
-                part.meta["val"] = fused.meta["val"][:, start:stop]
+            if val is not None:
+                part.meta["val"] = val[:, start:stop]
             m.replace_all_uses_with(part)
             start = stop
     for m in members:
