@@ -256,10 +256,14 @@ def run_bench(dec: SpecDecoder, labels: list[str], prompts: list[Prompt], max_ne
 
 def bench_config(model: str, draft: str | None, dtype: str, max_new_tokens: int, sampling: SamplingConfig,
                  linear: str = "torch", compile: bool = False, weights: str = "dense",
-                 draft_weights: str = "dense") -> dict:
+                 draft_weights: str = "dense", compile_options: dict | None = None) -> dict:
+    """The run's setup, as the bench JSON records it; ``compile_options``: the inductor options a caller set over
+    specdec's own (``--compile-option``)."""
+    plain = (bool, int, float, str, type(None))
     return {
         "model": model, "draft": draft, "dtype": dtype, "linear": linear, "compile": compile, "weights": weights,
         "draft_weights": draft_weights,
+        "compile_options": {k: v if isinstance(v, plain) else repr(v) for k, v in (compile_options or {}).items()},
         "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
         "threads": torch.get_num_threads(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -37,6 +37,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "after. bench: auto (default, $SPECDEC_COMPILE) compiles before timing; generate: saved by "
                         "default (the saved graphs where a bench, a demo or a compiled run left them, else eager: one "
                         "generation does not pay for compiling); --compile alone means on")
+    p.add_argument("--compile-option", action="append", default=[], metavar="NAME=VALUE", type=_compile_option,
+                   help="an inductor option set over specdec's own for its compiled forwards (repeatable), e.g. "
+                        "cpp_wrapper=false: graphs compile in about half the time, a CPU step runs slower")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -45,6 +48,24 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="ngrammys' n-gram corpus: auto (the shipped one for the model's vocabulary), none, or a file "
                         "written by specdec ngram-corpus")
     _method_flags(p)
+
+
+def _compile_option(text: str) -> tuple[str, object]:
+    """``NAME=VALUE`` as ``(name, value)``: the value a Python literal (``true``/``false`` as booleans), else the
+    string as typed."""
+    import ast
+
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    value = value.strip()
+    lowered = {"true": True, "false": False, "none": None}
+    if value.lower() in lowered:
+        return name.strip(), lowered[value.lower()]
+    try:
+        return name.strip(), ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name.strip(), value
 
 
 def _method_flags(p: argparse.ArgumentParser) -> None:
@@ -97,7 +118,8 @@ def _decoder(args):
         compile = "saved"
     dec = SpecDecoder(args.model, args.draft and [d.strip() for d in args.draft.split(",")], args.dtype,
                       linear=args.linear, corpus=None if args.corpus == "none" else args.corpus, compile=compile,
-                      weights=args.weights, draft_weights=args.draft_weights)
+                      weights=args.weights, draft_weights=args.draft_weights,
+                      compile_options=dict(args.compile_option) or None)
     if args.command == "bench" and compile_mode(compile) == "auto":
         print("specdec: compiling the decode graphs before timing (minutes the first time on this machine, "
               "then from the cache)", file=sys.stderr)
@@ -149,7 +171,8 @@ def cmd_bench(args) -> int:
     options = {name: _method_options(args, name) for name in {parse_label(m)[0] for m in methods}}
     result = run_bench(dec, methods, prompts, args.max_new_tokens, s, options,
                        bench_config(args.model, args.draft, args.dtype, args.max_new_tokens, s, args.linear,
-                                    dec.compiled, _weights_used(dec), args.draft_weights), batch_size=args.batch_size,
+                                    dec.compiled, _weights_used(dec), args.draft_weights,
+                                    dict(args.compile_option)), batch_size=args.batch_size,
                        ignore_eos=args.ignore_eos, rounds=args.rounds)
     print(format_table(result))
     if args.json:

@@ -373,6 +373,7 @@ class ModelRunner:
             raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTIONS}")
         self._pool: dict = {}
         self._compiled = None
+        self.compile_options: dict | None = None  # the inductor options of the compiled forward, if any
         if compile == "saved" and not precompile.enabled():
             compile = False  # SPECDEC_PRECOMPILE=0: nothing is loaded
         if compile:  # reset() below brings the packed weights up to date
@@ -388,6 +389,7 @@ class ModelRunner:
 
             device_type = next(model.parameters()).device.type
             options = default_options(device_type) if compile_options is None else compile_options
+            self.compile_options = options
             if compile == "saved":  # only what an earlier process saved; other forwards run eagerly
                 self._compiled = precompile.PrecompiledForward(model, options, capture=False)
             elif precompile.enabled():  # graphs saved by an earlier process load in seconds

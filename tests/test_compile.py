@@ -1,15 +1,18 @@
 """Decode forwards through torch.compile (``SpecDecoder(compile=True)``): lossless, and compiled up front."""
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import torch._dynamo
 
-from specdec.api import SpecDecoder, hf_generate
+from specdec.api import SpecDecoder, hf_generate, inductor_options
+from specdec.cli import _compile_option
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig
 from tests.conftest import tiny_model
-from tests.test_greedy_lossless import prompt_of
+from tests.test_greedy_lossless import perturbed, prompt_of
 from tests.test_ngrammys import REPETITIVE
 
 GREEDY = SamplingConfig()
@@ -176,3 +179,40 @@ def test_failed_compile_warns_naming_the_model_and_keeps_the_others_compiled(mon
     with pytest.warns(RuntimeWarning, match="SpecdecEagleForCausalLM.*needs the target's hidden states.*eagerly"):
         assert dec.wait_compiled(timeout=60)
     assert dec.runner.compiled and not dec.draft_runner.compiled
+
+
+def test_compile_options_are_set_over_specdecs_on_every_runner():
+    """``compile_options`` (``--compile-option``) reaches the target's and the drafts' runners over specdec's own
+    options, and the graphs it compiles keep the output (here inductor's Python wrapper, not the CPU's C++ one)."""
+    target = tiny_model("llama")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6), compile=True, compile_options={"cpp_wrapper": False})
+    for runner in (dec.runner, dec.draft_runner):
+        assert runner.compiled and runner.compile_options["cpp_wrapper"] is False
+        assert "post_grad_custom_post_pass" in runner.compile_options  # specdec's grouping pass stays
+    prompt = prompt_of(20, seed=20)
+    ref = hf_generate(dec.model, prompt, 20, GREEDY)
+    for method in ("ar", "sd"):
+        assert dec.generate_ids([prompt], method, 20, GREEDY).tokens[0] == ref, method
+
+
+def test_compile_options_name_inductor_options():
+    with pytest.raises(ValueError, match="no inductor option named 'cpp_wraper'"):
+        inductor_options("cpu", {"cpp_wraper": False})
+    with pytest.raises(TypeError, match="dict"):
+        inductor_options("cpu", [("cpp_wrapper", False)])
+    assert inductor_options("cpu", {"cpp.threads": 1})["cpp.threads"] == 1
+    assert inductor_options("cpu", None)["cpp_wrapper"] is True  # the CPU's default
+    assert inductor_options("cuda", None).get("cpp_wrapper") is None
+
+
+@pytest.mark.parametrize("text,parsed", [("cpp_wrapper=false", ("cpp_wrapper", False)), ("cpp.threads=2", ("cpp.threads", 2)),
+                                         (" max_autotune = True ", ("max_autotune", True)), ("cpp.simdlen=None", ("cpp.simdlen", None)),
+                                         ("cpp.cxx=g++", ("cpp.cxx", "g++"))])
+def test_cli_compile_option(text, parsed):
+    assert _compile_option(text) == parsed
+
+
+def test_cli_compile_option_needs_a_name_and_a_value():
+    for bad in ("cpp_wrapper", "=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _compile_option(bad)
