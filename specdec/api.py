@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,24 +69,38 @@ def warm_up(runner: ModelRunner, beside_feature_draft: bool = False, draft: bool
             runner.warm_up(return_hidden=(False, True) if beside_feature_draft else False, catch_up=draft)
 
 
-def inductor_options(device_type: str, overrides: dict | None) -> dict:
-    """specdec's inductor options for ``device_type`` (:func:`specdec.compile_passes.compile_options`) with a
-    caller's ``overrides`` set over them; an override that names no inductor option raises ``ValueError``."""
-    import torch._inductor.config as inductor_config
-
-    from specdec.compile_passes import compile_options
-
-    options = compile_options(device_type)
+def check_inductor_overrides(overrides: dict | None) -> dict | None:
+    """A caller's inductor options as a new dict (None stays None), checked against ``torch._inductor.config``: a
+    name that is no option raises ``ValueError``, a value of another type than the option's default (a bool for a
+    bool, an int for an int, a string for a string; None always allowed) raises ``TypeError``."""
     if overrides is None:
-        return options
+        return None
     if not isinstance(overrides, dict):
         raise TypeError(f"compile_options must be a dict of inductor options, got {type(overrides).__name__}")
+    import torch._inductor.config as inductor_config
+
     known = inductor_config.get_config_copy()
     unknown = [k for k in overrides if k not in known]
     if unknown:
         raise ValueError(f"compile_options: no inductor option named {', '.join(map(repr, unknown))} "
                          "(torch._inductor.config names, dotted for nested ones, e.g. 'cpp_wrapper', 'cpp.threads')")
-    return {**options, **overrides}
+    for name, value in overrides.items():
+        default = known[name]
+        if value is None or default is None:
+            continue
+        kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(type(default))
+        if kinds and (not isinstance(value, kinds) or (isinstance(value, bool) and type(default) is not bool)):
+            raise TypeError(f"compile_options: {name!r} takes {type(default).__name__} values (default {default!r}), "
+                            f"got {value!r}")
+    return dict(overrides)
+
+
+def inductor_options(device_type: str, overrides: dict | None) -> dict:
+    """specdec's inductor options for ``device_type`` (:func:`specdec.compile_passes.compile_options`) with a
+    caller's ``overrides`` set over them, checked by :func:`check_inductor_overrides`."""
+    from specdec.compile_passes import compile_options
+
+    return {**compile_options(device_type), **(check_inductor_overrides(overrides) or {})}
 
 
 class SpecDecoder:
@@ -119,6 +134,9 @@ class SpecDecoder:
         if draft_weights not in DRAFT_WEIGHTS:
             raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {draft_weights!r}")
         mode = compile_mode(compile)
+        overrides = check_inductor_overrides(compile_options)  # before minutes of loading
+        if overrides and mode == "off":
+            warnings.warn("compile_options are ignored: compile is off", RuntimeWarning, stacklevel=2)
         runner_compile = {"on": True, "saved": "saved"}.get(mode, False)
         if mode != "off":
             use_persistent_cache(cache_dir() / "inductor")
@@ -126,7 +144,10 @@ class SpecDecoder:
             self.model, self.tokenizer = model.eval(), tokenizer
         else:
             self.model, self.tokenizer = load_model(model, dtype, device, linear, weights)
-        self.compile_options = inductor_options(self.model.device.type, compile_options)
+        self.compile_options = overrides  # the caller's; each runner merges them over its own device's defaults
+
+        def options(m: PreTrainedModel) -> dict:
+            return inductor_options(next(m.parameters()).device.type, overrides)
         # Drafts by name; the first is the default. A method option ``draft=NAME`` picks another.
         self.drafts: dict[str, tuple[PreTrainedModel, ModelRunner]] = {}
         for i, d in enumerate(draft if isinstance(draft, (list, tuple)) else [] if draft is None else [draft]):
@@ -145,9 +166,9 @@ class SpecDecoder:
                 if isinstance(d, PreTrainedModel):  # the caller's module (perhaps the target itself) stays as given
                     dm = copy.deepcopy(dm)
                 quantize_draft(dm, widen_prompts=linear != "packed")
-            self.drafts[name] = (dm, ModelRunner(dm, compile=runner_compile, compile_options=self.compile_options))
+            self.drafts[name] = (dm, ModelRunner(dm, compile=runner_compile, compile_options=options(dm)))
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
-        self.runner = ModelRunner(self.model, compile=runner_compile, compile_options=self.compile_options)
+        self.runner = ModelRunner(self.model, compile=runner_compile, compile_options=options(self.model))
         target, features = self.model, any(is_feature_draft(m) for m, _ in self.drafts.values())
 
         def warm(runner: ModelRunner) -> None:
@@ -157,7 +178,7 @@ class SpecDecoder:
             warm(runner)
         models = [self.model] + [m for m, _ in self.drafts.values()]
         self._compiling = BackgroundCompile(
-            lambda: [ModelRunner(m, compile=True, compile_options=self.compile_options) for m in models], warm) \
+            lambda: [ModelRunner(m, compile=True, compile_options=options(m)) for m in models], warm) \
             if mode == "auto" else None
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None

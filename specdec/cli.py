@@ -51,21 +51,21 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _compile_option(text: str) -> tuple[str, object]:
-    """``NAME=VALUE`` as ``(name, value)``: the value a Python literal (``true``/``false`` as booleans), else the
-    string as typed."""
+    """``NAME=VALUE`` as ``(name, value)``: dashes in the name read as underscores (inductor's names have none); the
+    value a Python literal (``true``/``false``/``none`` in any case), else the string as typed."""
     import ast
 
     name, sep, value = text.partition("=")
-    if not sep or not name.strip():
+    name, value = name.strip().replace("-", "_"), value.strip()
+    if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    value = value.strip()
     lowered = {"true": True, "false": False, "none": None}
     if value.lower() in lowered:
-        return name.strip(), lowered[value.lower()]
+        return name, lowered[value.lower()]
     try:
-        return name.strip(), ast.literal_eval(value)
+        return name, ast.literal_eval(value)
     except (ValueError, SyntaxError):
-        return name.strip(), value
+        return name, value
 
 
 def _method_flags(p: argparse.ArgumentParser) -> None:

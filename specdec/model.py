@@ -388,7 +388,7 @@ class ModelRunner:
             from specdec.compile_passes import compile_options as default_options
 
             device_type = next(model.parameters()).device.type
-            options = default_options(device_type) if compile_options is None else compile_options
+            options = default_options(device_type) if compile_options is None else dict(compile_options)
             self.compile_options = options
             if compile == "saved":  # only what an earlier process saved; other forwards run eagerly
                 self._compiled = precompile.PrecompiledForward(model, options, capture=False)
@@ -507,6 +507,7 @@ class ModelRunner:
     def use_eager(self) -> None:
         """Run every forward eagerly from now on (a runner whose compile failed). Drops all state."""
         self._compiled = None
+        self.compile_options = None
         self.reset(1, 0)
 
     @property

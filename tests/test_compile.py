@@ -183,36 +183,63 @@ def test_failed_compile_warns_naming_the_model_and_keeps_the_others_compiled(mon
 
 def test_compile_options_are_set_over_specdecs_on_every_runner():
     """``compile_options`` (``--compile-option``) reaches the target's and the drafts' runners over specdec's own
-    options, and the graphs it compiles keep the output (here inductor's Python wrapper, not the CPU's C++ one)."""
+    options, the compiled graphs are built with them, and they keep the output (here inductor's Python wrapper, not
+    the CPU's C++ one)."""
     target = tiny_model("llama")
-    dec = SpecDecoder(target, draft=perturbed(target, 0.6), compile=True, compile_options={"cpp_wrapper": False})
+    overrides = {"cpp_wrapper": False}
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6), compile=True, compile_options=overrides)
     for runner in (dec.runner, dec.draft_runner):
         assert runner.compiled and runner.compile_options["cpp_wrapper"] is False
         assert "post_grad_custom_post_pass" in runner.compile_options  # specdec's grouping pass stays
+        assert runner._compiled.options["cpp_wrapper"] is False  # what the saved graphs are built and keyed with
+    assert dec.runner.compile_options is not dec.draft_runner.compile_options  # each runner holds its own
+    overrides["cpp_wrapper"] = True  # the caller's dict is not kept
+    assert dec.compile_options == {"cpp_wrapper": False} and dec.runner.compile_options["cpp_wrapper"] is False
     prompt = prompt_of(20, seed=20)
     ref = hf_generate(dec.model, prompt, 20, GREEDY)
     for method in ("ar", "sd"):
         assert dec.generate_ids([prompt], method, 20, GREEDY).tokens[0] == ref, method
+    dec.runner.use_eager()
+    assert dec.runner.compile_options is None
 
 
-def test_compile_options_name_inductor_options():
+def test_compile_options_merge_per_device_type():
+    """Each runner's options come from its own model's device type: a draft on another device than the target does
+    not get the target's (the C++ wrapper is the CPU's default only)."""
+    assert inductor_options("cpu", {"cpp.threads": 1})["cpp.threads"] == 1
+    assert inductor_options("cpu", None)["cpp_wrapper"] is True
+    assert inductor_options("cuda", None).get("cpp_wrapper") is None
+    assert inductor_options("cuda", {"max_autotune": True}).get("cpp_wrapper") is None
+
+
+def test_compile_options_are_checked_before_loading():
+    """A misspelt name, a value of the wrong type or a non-dict raises before a model loads (the model name here
+    does not exist: the options error must come first); options with compile off warn that they do nothing."""
     with pytest.raises(ValueError, match="no inductor option named 'cpp_wraper'"):
-        inductor_options("cpu", {"cpp_wraper": False})
+        SpecDecoder("no-such-model", compile="off", compile_options={"cpp_wraper": False})
+    with pytest.raises(TypeError, match="'cpp_wrapper' takes bool values"):
+        SpecDecoder("no-such-model", compile="on", compile_options={"cpp_wrapper": "false"})
+    with pytest.raises(TypeError, match="'cpp.threads' takes int values"):
+        inductor_options("cpu", {"cpp.threads": True})
     with pytest.raises(TypeError, match="dict"):
         inductor_options("cpu", [("cpp_wrapper", False)])
-    assert inductor_options("cpu", {"cpp.threads": 1})["cpp.threads"] == 1
-    assert inductor_options("cpu", None)["cpp_wrapper"] is True  # the CPU's default
-    assert inductor_options("cuda", None).get("cpp_wrapper") is None
+    assert inductor_options("cpu", {"cpp.simdlen": None})["cpp.simdlen"] is None
+    with pytest.warns(RuntimeWarning, match="ignored: compile is off"):
+        SpecDecoder(tiny_model("llama"), compile="off", compile_options={"cpp_wrapper": False})
 
 
 @pytest.mark.parametrize("text,parsed", [("cpp_wrapper=false", ("cpp_wrapper", False)), ("cpp.threads=2", ("cpp.threads", 2)),
                                          (" max_autotune = True ", ("max_autotune", True)), ("cpp.simdlen=None", ("cpp.simdlen", None)),
-                                         ("cpp.cxx=g++", ("cpp.cxx", "g++"))])
+                                         ("cpp.cxx=g++", ("cpp.cxx", "g++")), ("cpp-wrapper=FALSE", ("cpp_wrapper", False)),
+                                         ("cpp.cxx=a=b", ("cpp.cxx", "a=b"))])
 def test_cli_compile_option(text, parsed):
+    """``--compile-option NAME=VALUE``: literals and booleans parsed, other values kept as strings, dashes read as
+    underscores."""
     assert _compile_option(text) == parsed
 
 
 def test_cli_compile_option_needs_a_name_and_a_value():
-    for bad in ("cpp_wrapper", "=1"):
+    """A bare name, a bare value or an empty value is refused by argparse with the expected form."""
+    for bad in ("cpp_wrapper", "=1", "cpp_wrapper=", "cpp_wrapper= "):
         with pytest.raises(argparse.ArgumentTypeError):
             _compile_option(bad)
