@@ -15,7 +15,7 @@
 // a BLAS call spends more in dispatch and packing than in FMAs, and on CPUs without bf16 matrix
 // units MKL's bf16 GEMM is a slow emulation. Each chunk's keys are transposed once into fp32 panels
 // of 16 keys, and values are read in place (fp32, or one row block) or widened once into panels.
-// Tasks of few rows (decode steps, small trees) skip the panels on AVX-512 and AVX2: see "Few rows" below.
+// On AVX-512, tasks of few rows (decode steps, small trees) skip the panels: see "Few rows" below.
 // Every product accumulates in fp32, probabilities included.
 //
 // Key splits (flash-decoding): a decode step has few tasks (one row, one query: one per kv head, 3 for
@@ -59,22 +59,13 @@ constexpr int64_t kSplitMaxTasks = 3;  // calls of at most this many (row, kv he
 // bench/results/tree_attention_direct_rows_sweep.jsonl) 32 was as fast as or faster than 8 and 16 throughout.
 constexpr int64_t kDirectRows = 32;
 
-// Tasks of at most this many rows take the 8-lane direct paths on AVX2. One kv head's decode step (M = 3, bf16,
-// D = 64, one thread, Zen 3): 20.9 against 24.8 us through the panels at 200 keys, 86 against 96 at 1,000; at
-// M = 12 (4 queries) the panels win (47-48 us either way at 200 keys, 196 against 238 at 1,000 for M = 16).
-constexpr int64_t kDirectRowsAvx2 = 8;
-
 // The row limit of the direct paths for this call: $SPECDEC_ATTENTION_DIRECT_ROWS where set, on any CPU
-// (0: always panels; A/B runs, and tests on other CPUs), else kDirectRows on AVX-512, kDirectRowsAvx2 on AVX2
-// (8-lane paths there) and 0 on the baseline.
+// (0: always panels; A/B runs, and tests on CPUs without AVX-512), else kDirectRows on AVX-512 and 0 elsewhere
+// (16-lane vectors are two registers each on AVX2, and the 16 score accumulators would spill).
 int64_t direct_row_limit() {
   const char* env = std::getenv("SPECDEC_ATTENTION_DIRECT_ROWS");
   if (env && *env) return std::atoll(env);
-  switch (simd::best_isa()) {
-    case simd::Isa::kAvx512: return kDirectRows;
-    case simd::Isa::kAvx2: return kDirectRowsAvx2;
-    default: return 0;
-  }
+  return simd::best_isa() == simd::Isa::kAvx512 ? kDirectRows : 0;
 }
 using panel::kPanel;
 using panel::v8;
@@ -496,114 +487,13 @@ SPECDEC_INLINE void direct_pv(Task& w, const scalar_t* v, int64_t stride, int64_
   for (; d0 < w.D; d0 += kLanes) pv_rows<1>(w, v, stride, n, d0);
 }
 
-// ---- Few rows on AVX2: the same direct paths in 8-lane vectors ----
-// A 16-lane vector is two ymm registers on AVX2, so the 16 score accumulators above spill there (a decode step
-// of SmolLM2 ran 1.7 ms slower with them than through the panels). These keep one ymm a vector: 8 keys a block,
-// their 8 accumulators folded into one vector of 8 scores by three levels of two-vector shuffles, and P.V in
-// blocks of up to 4 rows by 16 columns (8 accumulators, 2 value vectors and a broadcast in 16 registers).
-// Each score and each output sums in a fixed order that depends on D alone, as on the 16-lane paths.
-SPECDEC_INLINE v8 fold8_1(v8 a, v8 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-SPECDEC_INLINE v8 fold8_2(v8 a, v8 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
-}
-SPECDEC_INLINE v8 fold8_3(v8 a, v8 b) {
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
-}
-
-// out[i] = scale * q . k_i for the 8 keys k_i = k + i * ldk (fp32, D % 8 == 0).
-SPECDEC_INLINE v8 scores8(const float* q, const float* k, int64_t ldk, int64_t D, float scale) {
-  v8 acc[8] = {};
-  for (int64_t d = 0; d < D; d += 8) {
-    const v8 qv = simd::load<v8>(q + d);
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) acc[i] += qv * simd::load<v8>(k + i * ldk + d);
-  }
-  return fold8_3(fold8_2(fold8_1(acc[0], acc[1]), fold8_1(acc[2], acc[3])),
-                 fold8_2(fold8_1(acc[4], acc[5]), fold8_1(acc[6], acc[7]))) * scale;
-}
-
-// direct_scores in blocks of 8 keys (w.kp holds one block widened, 8 x D).
-template <typename scalar_t>
-SPECDEC_INLINE void direct_scores8(Task& w, const scalar_t* k, int64_t stride, int64_t n, float scale) {
-  const int64_t D = w.D;
-  for (int64_t j0 = 0; j0 < n; j0 += 8) {
-    const int64_t nk = std::min<int64_t>(8, n - j0);
-    const float* tile = w.kp;
-    int64_t ldt = D;
-    bool in_place = false;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      in_place = nk == 8;
-      if (in_place) {
-        tile = k + j0 * stride;
-        ldt = stride;
-      }
-    }
-    if (!in_place) {
-      for (int64_t i = 0; i < 8; ++i)
-        for (int64_t d = 0; d < D; d += 8) store8(w.kp + i * D + d, i < nk ? load8(k + (j0 + i) * stride + d) : v8{});
-    }
-    for (int64_t r = 0; r < w.M; ++r) store8(w.S + r * w.ld + j0, scores8(w.q + r * D, tile, ldt, D, scale));
-  }
-}
-
-// acc[r, 8 c ...] += sum_j P[r, j] v[j, 8 c ...] for MR rows, NV vectors of 8 columns.
-template <int MR, int NV, typename scalar_t>
-SPECDEC_INLINE void pv_block8(const float* P, int64_t ldp, const scalar_t* v, int64_t stride, int64_t n, float* acc,
-                              int64_t ldacc) {
-  v8 sum[MR][NV];
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 2
-    for (int c = 0; c < NV; ++c) sum[m][c] = simd::load<v8>(acc + m * ldacc + c * 8);
-  for (int64_t j = 0; j < n; ++j) {
-    v8 vv[NV];
-#pragma GCC unroll 2
-    for (int c = 0; c < NV; ++c) vv[c] = load8(v + j * stride + c * 8);
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) {
-      const v8 p = panel::broadcast8(P + m * ldp + j);
-#pragma GCC unroll 2
-      for (int c = 0; c < NV; ++c) sum[m][c] += p * vv[c];
-    }
-  }
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 2
-    for (int c = 0; c < NV; ++c) store8(acc + m * ldacc + c * 8, sum[m][c]);
-}
-
-template <int NV, typename scalar_t>
-SPECDEC_INLINE void pv_rows8(Task& w, const scalar_t* v, int64_t stride, int64_t n, int64_t d0) {
-  for (int64_t r = 0; r < w.M; r += 4) {
-    const float* P = w.S + r * w.ld;
-    float* acc = w.acc + r * w.Dp + d0;
-    switch (std::min<int64_t>(4, w.M - r)) {
-      case 1: pv_block8<1, NV>(P, w.ld, v + d0, stride, n, acc, w.Dp); break;
-      case 2: pv_block8<2, NV>(P, w.ld, v + d0, stride, n, acc, w.Dp); break;
-      case 3: pv_block8<3, NV>(P, w.ld, v + d0, stride, n, acc, w.Dp); break;
-      default: pv_block8<4, NV>(P, w.ld, v + d0, stride, n, acc, w.Dp); break;
-    }
-  }
-}
-
-template <typename scalar_t>
-SPECDEC_INLINE void direct_pv8(Task& w, const scalar_t* v, int64_t stride, int64_t n) {
-  int64_t d0 = 0;
-  for (; d0 + 16 <= w.D; d0 += 16) pv_rows8<2>(w, v, stride, n, d0);
-  for (; d0 < w.D; d0 += 8) pv_rows8<1>(w, v, stride, n, d0);
-}
-
 // Keys at rows [c0, c0 + n) of a segment: scores, mask, online softmax, acc += P . V.
-// VL: the direct paths' vector lanes (8 in the AVX2 clone, 16 elsewhere).
-template <int VL, typename scalar_t>
+template <typename scalar_t>
 SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, int64_t c0, int64_t n) {
   const int64_t M = w.M, D = w.D, Dp = w.Dp, ld = w.ld;
-  const bool direct = M <= a.direct_rows && D % VL == 0;
+  const bool direct = M <= a.direct_rows && D % kLanes == 0;
   if (direct) {
-    if constexpr (VL == 8) direct_scores8(w, seg.k + c0 * seg.stride_k, seg.stride_k, n, a.scale);
-    else direct_scores(w, seg.k + c0 * seg.stride_k, seg.stride_k, n, a.scale);
+    direct_scores(w, seg.k + c0 * seg.stride_k, seg.stride_k, n, a.scale);
   } else {
     pack_keys(seg.k + c0 * seg.stride_k, seg.stride_k, n, D, w.kp);
     small_gemm<Epilogue::kScale>(w.q, D, M, D, w.kp, kPanel, D * kPanel, (n + kPanel - 1) / kPanel, w.S, ld, a.scale);
@@ -613,10 +503,7 @@ SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, 
   if (n_prefix < n) mask_tree(w, a, c0 + n_prefix - seg.split, n_prefix, n - n_prefix);
   softmax_chunk(w.S, M, n, ld, w.m, w.l, w.acc, D, Dp);
   const scalar_t* v = seg.v + c0 * seg.stride_v;
-  if (direct) {
-    if constexpr (VL == 8) return direct_pv8(w, v, seg.stride_v, n);
-    else return direct_pv(w, v, seg.stride_v, n);
-  }
+  if (direct) return direct_pv(w, v, seg.stride_v, n);
   // Value rows are panels of 16 dims one row apart: read them in place when they need no widening,
   // or when one row block reads them once anyway.
   if (D % kPanel == 0 && (std::is_same_v<scalar_t, float> || M <= panel::kMaxRows)) {
@@ -627,13 +514,13 @@ SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, 
   }
 }
 
-template <int VL, typename scalar_t>
+template <typename scalar_t>
 SPECDEC_INLINE void attend_segment(Task& w, const Args& a, const Segment<scalar_t>& seg) {
-  for (int64_t c0 = seg.v0; c0 < seg.v1; c0 += kChunk) chunk<VL>(w, a, seg, c0, std::min(kChunk, seg.v1 - c0));
+  for (int64_t c0 = seg.v0; c0 < seg.v1; c0 += kChunk) chunk(w, a, seg, c0, std::min(kChunk, seg.v1 - c0));
 }
 
 // Task `item` of the parallel loop: query block item / splits, key split item % splits.
-template <int VL, typename scalar_t>
+template <typename scalar_t>
 SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
   const int64_t split = item % a.splits;
   Task w(a, item / a.splits);
@@ -683,11 +570,11 @@ SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
   const int64_t from = std::max(lo, lo_row);
   if (joined) {
     const int64_t to = std::min(L + hi, hi_row);
-    if (from < to) attend_segment<VL>(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, from, to, L});
+    if (from < to) attend_segment(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, from, to, L});
   } else {
     const int64_t to = std::min(L, hi_row);
-    if (from < to) attend_segment<VL>(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, from, to, L});
-    if (last) attend_segment<VL>(w, a, Segment<scalar_t>{kt, vt, a.skt.t, a.svt.t, 0, hi, 0});
+    if (from < to) attend_segment(w, a, Segment<scalar_t>{kc, vc, a.skc.t, a.svc.t, from, to, L});
+    if (last) attend_segment(w, a, Segment<scalar_t>{kt, vt, a.skt.t, a.svt.t, 0, hi, 0});
   }
 
   if (a.splits > 1) {  // leave the running state for the merge
@@ -713,15 +600,15 @@ SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
 
 template <typename scalar_t>
 SPECDEC_TARGET_AVX512 void attend_avx512(const Args& a, int64_t item) {
-  attend_block<16, scalar_t>(a, item);
+  attend_block<scalar_t>(a, item);
 }
 template <typename scalar_t>
 SPECDEC_TARGET_AVX2 void attend_avx2(const Args& a, int64_t item) {
-  attend_block<8, scalar_t>(a, item);
+  attend_block<scalar_t>(a, item);
 }
 template <typename scalar_t>
 void attend_base(const Args& a, int64_t item) {
-  attend_block<16, scalar_t>(a, item);
+  attend_block<scalar_t>(a, item);
 }
 
 // out for query block `item` from its key splits' running states: with M_s, l_s, acc_s per split and

@@ -34,7 +34,7 @@ SWITCHES: dict[str, str] = {
                    "before the tiles, for A/B runs",
     "SPECDEC_ATTENTION_DIRECT_ROWS": "the row limit (query heads x queries) up to which the C++ tree-attention "
                                      "kernel skips its key panels, on any CPU; 0 forces the panels (default: 32 "
-                                     "with AVX-512, 8 with AVX2, else 0; read by csrc/tree_attention.cpp at each call)",
+                                     "with AVX-512, else 0; read by csrc/tree_attention.cpp at each call)",
     "SPECDEC_ATTENTION_SPLIT_KEYS": "key rows per split of the C++ tree-attention kernel (cut at fixed rows, run as "
                                     "tasks of their own, merged afterwards), rounded up to 256, in every call; 0 "
                                     "or less: no splits (default: 512 in calls of at most 3 (row, kv head) pairs, "
