@@ -72,7 +72,9 @@ def warm_up(runner: ModelRunner, beside_feature_draft: bool = False, draft: bool
 def check_inductor_overrides(overrides: dict | None) -> dict | None:
     """A caller's inductor options as a new dict (None stays None), checked against ``torch._inductor.config``: a
     name that is no option raises ``ValueError``, a value of another type than the option's default (a bool for a
-    bool, an int for an int, a string for a string; None always allowed) raises ``TypeError``."""
+    bool, an int for an int, an int or float for a float, a string for a string) raises ``TypeError``. Not checked:
+    a None value (some options take it), and options whose default is None or of another type (tuples, callables),
+    whose type the config does not record; inductor rejects those when it compiles."""
     if overrides is None:
         return None
     if not isinstance(overrides, dict):
@@ -101,6 +103,12 @@ def inductor_options(device_type: str, overrides: dict | None) -> dict:
     from specdec.compile_passes import compile_options
 
     return {**compile_options(device_type), **(check_inductor_overrides(overrides) or {})}
+
+
+def runner_options(model: torch.nn.Module, overrides: dict | None) -> dict:
+    """The inductor options of ``model``'s runner: :func:`inductor_options` for the device its parameters are on (a
+    draft on another device than the target gets that device's defaults, not the target's)."""
+    return inductor_options(next(model.parameters()).device.type, overrides)
 
 
 class SpecDecoder:
@@ -147,7 +155,7 @@ class SpecDecoder:
         self.compile_options = overrides  # the caller's; each runner merges them over its own device's defaults
 
         def options(m: PreTrainedModel) -> dict:
-            return inductor_options(next(m.parameters()).device.type, overrides)
+            return runner_options(m, overrides)
         # Drafts by name; the first is the default. A method option ``draft=NAME`` picks another.
         self.drafts: dict[str, tuple[PreTrainedModel, ModelRunner]] = {}
         for i, d in enumerate(draft if isinstance(draft, (list, tuple)) else [] if draft is None else [draft]):

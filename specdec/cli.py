@@ -51,14 +51,20 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _compile_option(text: str) -> tuple[str, object]:
-    """``NAME=VALUE`` as ``(name, value)``: dashes in the name read as underscores (inductor's names have none); the
-    value a Python literal (``true``/``false``/``none`` in any case), else the string as typed."""
+    """``NAME=VALUE`` as ``(name, value)``: dashes in the name read as underscores (inductor's names have none). For an
+    option whose default is a string the value stays as typed (``memory_pool=none`` is the string); otherwise it is a
+    Python literal (``true``/``false``/``none`` in any case) or, failing that, the string as typed. Names and value
+    types are checked by :func:`specdec.api.check_inductor_overrides`."""
     import ast
+
+    import torch._inductor.config as inductor_config
 
     name, sep, value = text.partition("=")
     name, value = name.strip().replace("-", "_"), value.strip()
     if not sep or not name or not value:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    if isinstance(inductor_config.get_config_copy().get(name), str):
+        return name, value
     lowered = {"true": True, "false": False, "none": None}
     if value.lower() in lowered:
         return name, lowered[value.lower()]

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch._dynamo
 
-from specdec.api import SpecDecoder, hf_generate, inductor_options
+from specdec.api import SpecDecoder, hf_generate, inductor_options, runner_options
 from specdec.cli import _compile_option
+from specdec.precompile import PrecompiledForward
 from specdec.tree import DraftTree
 from specdec.verify import SamplingConfig
 from tests.conftest import tiny_model
@@ -191,7 +192,8 @@ def test_compile_options_are_set_over_specdecs_on_every_runner():
     for runner in (dec.runner, dec.draft_runner):
         assert runner.compiled and runner.compile_options["cpp_wrapper"] is False
         assert "post_grad_custom_post_pass" in runner.compile_options  # specdec's grouping pass stays
-        assert runner._compiled.options["cpp_wrapper"] is False  # what the saved graphs are built and keyed with
+        if isinstance(runner._compiled, PrecompiledForward):  # what the saved graphs are built and keyed with
+            assert runner._compiled.options["cpp_wrapper"] is False
     assert dec.runner.compile_options is not dec.draft_runner.compile_options  # each runner holds its own
     overrides["cpp_wrapper"] = True  # the caller's dict is not kept
     assert dec.compile_options == {"cpp_wrapper": False} and dec.runner.compile_options["cpp_wrapper"] is False
@@ -204,12 +206,14 @@ def test_compile_options_are_set_over_specdecs_on_every_runner():
 
 
 def test_compile_options_merge_per_device_type():
-    """Each runner's options come from its own model's device type: a draft on another device than the target does
-    not get the target's (the C++ wrapper is the CPU's default only)."""
+    """Each runner's options come from its own model's device type: a model on another device than the CPU does not
+    get the CPU's C++ wrapper (here a meta-device module stands in for a draft on a GPU)."""
+    overrides = {"max_autotune": True}
+    assert runner_options(torch.nn.Linear(2, 2), overrides)["cpp_wrapper"] is True
+    other = runner_options(torch.nn.Linear(2, 2, device="meta"), overrides)
+    assert other.get("cpp_wrapper") is None and other["max_autotune"] is True
     assert inductor_options("cpu", {"cpp.threads": 1})["cpp.threads"] == 1
-    assert inductor_options("cpu", None)["cpp_wrapper"] is True
     assert inductor_options("cuda", None).get("cpp_wrapper") is None
-    assert inductor_options("cuda", {"max_autotune": True}).get("cpp_wrapper") is None
 
 
 def test_compile_options_are_checked_before_loading():
@@ -231,10 +235,10 @@ def test_compile_options_are_checked_before_loading():
 @pytest.mark.parametrize("text,parsed", [("cpp_wrapper=false", ("cpp_wrapper", False)), ("cpp.threads=2", ("cpp.threads", 2)),
                                          (" max_autotune = True ", ("max_autotune", True)), ("cpp.simdlen=None", ("cpp.simdlen", None)),
                                          ("cpp.cxx=g++", ("cpp.cxx", "g++")), ("cpp-wrapper=FALSE", ("cpp_wrapper", False)),
-                                         ("cpp.cxx=a=b", ("cpp.cxx", "a=b"))])
+                                         ("cpp.cxx=a=b", ("cpp.cxx", "a=b")), ("memory_pool=none", ("memory_pool", "none"))])
 def test_cli_compile_option(text, parsed):
-    """``--compile-option NAME=VALUE``: literals and booleans parsed, other values kept as strings, dashes read as
-    underscores."""
+    """``--compile-option NAME=VALUE``: literals and booleans parsed, other values kept as strings (and every value of
+    an option whose default is a string), dashes read as underscores."""
     assert _compile_option(text) == parsed
 
 
