@@ -153,9 +153,6 @@ class SpecDecoder:
         else:
             self.model, self.tokenizer = load_model(model, dtype, device, linear, weights)
         self.compile_options = overrides  # the caller's; each runner merges them over its own device's defaults
-
-        def options(m: PreTrainedModel) -> dict:
-            return runner_options(m, overrides)
         # Drafts by name; the first is the default. A method option ``draft=NAME`` picks another.
         self.drafts: dict[str, tuple[PreTrainedModel, ModelRunner]] = {}
         for i, d in enumerate(draft if isinstance(draft, (list, tuple)) else [] if draft is None else [draft]):
@@ -174,9 +171,9 @@ class SpecDecoder:
                 if isinstance(d, PreTrainedModel):  # the caller's module (perhaps the target itself) stays as given
                     dm = copy.deepcopy(dm)
                 quantize_draft(dm, widen_prompts=linear != "packed")
-            self.drafts[name] = (dm, ModelRunner(dm, compile=runner_compile, compile_options=options(dm)))
+            self.drafts[name] = (dm, ModelRunner(dm, compile=runner_compile, compile_options=runner_options(dm, overrides)))
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
-        self.runner = ModelRunner(self.model, compile=runner_compile, compile_options=options(self.model))
+        self.runner = ModelRunner(self.model, compile=runner_compile, compile_options=runner_options(self.model, overrides))
         target, features = self.model, any(is_feature_draft(m) for m, _ in self.drafts.values())
 
         def warm(runner: ModelRunner) -> None:
@@ -186,7 +183,7 @@ class SpecDecoder:
             warm(runner)
         models = [self.model] + [m for m, _ in self.drafts.values()]
         self._compiling = BackgroundCompile(
-            lambda: [ModelRunner(m, compile=True, compile_options=options(m)) for m in models], warm) \
+            lambda: [ModelRunner(m, compile=True, compile_options=runner_options(m, overrides)) for m in models], warm) \
             if mode == "auto" else None
         self.eos = eos_ids(self.model, self.tokenizer)
         self._step_cost: StepCost | None = None
