@@ -14,7 +14,12 @@ median, so one slow step decides nothing) is at least the plain steps'. Rates ar
 probes that alternate the two kinds step by step, so both are timed under the same load (this machine's
 speed drifts by 20% over seconds). Once plain steps win it probes again after a pause that doubles each
 time drafting still loses (8, 16, 32, 64 steps) and resets once it wins, so a row that starts copying its
-context is found again; while drafting wins it probes again every ``refresh`` drafting steps.
+context is found again. While drafting wins it probes again after a number of drafting steps that starts at
+``pause`` and doubles with each probe drafting wins, up to ``refresh``: one winning probe of three steps a kind is thin
+evidence (its plain steps may carry a fresh decoder's first-step costs), and a governor that trusted it for ``refresh``
+steps drafted 95 of a first call's 104 steps at a loss (`sd:schedule=disco` over 4 rows, 0.88x `ar` in that call). The
+schedule restarts at ``pause`` after a probe that drafting loses; across calls it stays where it got to, so a long-lived
+decoder pays the extra probes once.
 
 A probe that drafting loses costs time: its drafting steps' seconds beyond what plain steps would have taken
 for the same tokens, counted whole (its first drafting step carries a model draft's catch-up on every token it
@@ -54,9 +59,10 @@ class DraftGovernor:
     """Decides per step whether the decode loop drafts, from measured whole-step rates.
 
     probe: steps of each kind in one probe; pause: plain steps before drafting is tried again (doubling
-    to ``max_pause`` while it keeps losing); explore: the share of decode time a lost probe may cost (the pause
-    after one is long enough for that, up to ``max_hold`` steps); refresh: drafting steps between re-timings of
-    plain steps; window: steps kept per kind and batch size; blocks: probe with ``probe`` drafting steps, then
+    to ``max_pause`` while it keeps losing), and drafting steps before plain steps are first timed again after a
+    probe drafting won (doubling with each such probe); explore: the share of decode time a lost probe may cost (the
+    pause after one is long enough for that, up to ``max_hold`` steps); refresh: the most drafting steps between
+    re-timings of plain steps; window: steps kept per kind and batch size; blocks: probe with ``probe`` drafting steps, then
     ``probe + 1`` plain ones, instead of alternating, for a loop whose step hands work to the next (a PEARL round's
     window is verified by the next round: that loop counts the plain step that harvests it as drafting).
     """
@@ -71,6 +77,9 @@ class DraftGovernor:
         self.explore, self.max_hold, self.blocks = explore, max_hold, blocks
         self._rates: dict[int, dict[bool, deque]] = {}  # rows -> drafting? -> (tokens per row, seconds) of recent steps
         self._pause, self._waited, self._since_plain = pause, 0, 0
+        # Drafting steps before plain steps are timed again (set by a probe drafting wins), and what the next such probe
+        # sets it to: ``pause``, doubling with each probe drafting wins up to ``refresh``, back to ``pause`` on a loss.
+        self._recheck, self._confirm = refresh, min(pause, refresh)
         self._hold = 0  # plain steps the last lost probe's cost asks for before the next probe
         self._queue: list[bool] = []  # the kinds of a probe's remaining steps, last first
         self._probing = False  # the step decided last belongs to a probe
@@ -154,9 +163,9 @@ class DraftGovernor:
         if drafting:
             self._pause, self._waited, self._hold = self.pause, 0, 0
             self._since_plain += 1
-            if self._since_plain > self.refresh:
+            if self._since_plain > self._recheck:
                 self._since_plain = 0
-                return self._compare(rows)
+                return self._compare(rows, retime=True)
             return True
         self._waited += 1
         if self._waited > max(self._pause, self._hold):
@@ -187,7 +196,10 @@ class DraftGovernor:
             return wins
         if not wins:
             self._hold = self._cost_pause(drafting, plain)
+            self._confirm = min(self.pause, self.refresh)
         else:  # drafting pays again: the steps from before the probe are stale
+            self._since_plain, self._recheck = 0, self._confirm
+            self._confirm = min(2 * self._confirm, self.refresh)
             bucket = self._bucket(rows)[True]
             bucket.clear()
             bucket.extend(drafting)
@@ -204,13 +216,14 @@ class DraftGovernor:
         lost = sum(max(0.0, t - n / rate) for n, t in drafting)
         return min(self.max_hold, math.ceil(lost / (self.explore * median(t for _, t in _clip(plain)))))
 
-    def _compare(self, rows: int) -> bool:
+    def _compare(self, rows: int, retime: bool = False) -> bool:
         """Start a probe over ``rows`` rows: ``probe`` drafting and plain steps, alternating (so that both kinds are timed under
         the same load, on a machine whose speed drifts), drafting first unless this batch size has timed fewer plain
         steps than drafting ones (calls of a step or two at 16 rows, between calls of one row, each cut the probe
-        after its first step: always a drafting one, so 16 rows never timed a plain step); or in blocks (``blocks``)."""
+        after its first step: always a drafting one, so 16 rows never timed a plain step), or this probe re-times plain
+        steps while drafting wins (``retime``: its first step is plain); or in blocks (``blocks``)."""
         bucket = self._rates.get(rows)
-        plain_first = bucket is not None and len(bucket[False]) < len(bucket[True])
+        plain_first = retime or bucket is not None and len(bucket[False]) < len(bucket[True])
         # popped from the end
         self._queue = [False] * (self.probe + 1) + [True] * self.probe if self.blocks else \
             [True, False] * self.probe if plain_first else [False, True] * self.probe
