@@ -100,14 +100,10 @@ def next_draft_token_pays(reach: list[torch.Tensor], p: torch.Tensor, costs: lis
 
 
 def best_length(acceptance: AcceptanceModel, cost: StepCost, signal: int, max_k: int) -> int:
-    """The draft length in ``[0, max_k]`` with the most expected tokens per second of target time."""
-    costs = cost.costs(max_k + 1)
-    best_k, best_rate = 0, 1.0 / costs[0]
-    for k in range(1, max_k + 1):
-        rate = (1.0 + acceptance.estimate(signal, k)) / costs[k]
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
+    """The draft length in ``[0, max_k]`` with the most expected tokens per second of target time: :func:`best_size`
+    on the reach each further token adds (``acceptance`` gives the expected accepted tokens of a length)."""
+    expected = [0.0] + [acceptance.estimate(signal, k) for k in range(1, max_k + 1)]
+    return best_size([b - a for a, b in zip(expected, expected[1:])], cost.costs(max_k + 1))[0]
 
 
 def _expected_and_costs(reach: torch.Tensor, valid: torch.Tensor, cost: StepCost):
