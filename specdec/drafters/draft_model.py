@@ -84,6 +84,29 @@ class DraftModelDrafter(Drafter):
         """The context the draft's forwards run in: its reduced-vocabulary head where it has one."""
         return self._reduced()
 
+    def root_positions(self) -> torch.Tensor:
+        """``[B]`` the position of each row's last committed token in the draft cache (a tree grown in the pending
+        region sits at these plus its nodes' depths)."""
+        return self.runner.lengths - 1
+
+    def forward_pending(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                        return_hidden: bool = False, extra_inputs: dict | None = None):
+        """One draft forward over ``tokens [B, F]`` grown in the draft cache's pending region
+        (:meth:`specdec.model.ModelRunner.forward_pending`), counted in :attr:`draft_calls`."""
+        self.draft_calls += 1
+        return self.runner.forward_pending(tokens, positions, mask, return_hidden, extra_inputs)
+
+    def forward_tree(self, tree: DraftTree, logits_at: list[int] | None = None):
+        """One draft forward over ``tree`` after the committed tokens (:meth:`specdec.model.ModelRunner.forward_tree`),
+        counted in :attr:`draft_calls`."""
+        self.draft_calls += 1
+        return self.runner.forward_tree(tree, logits_at=logits_at)
+
+    def commit(self, path: torch.Tensor, path_len: torch.Tensor, counts: list[int]) -> None:
+        """Commit the nodes ``path [B, N]`` (``path_len [B]`` of them, ``counts`` on the host) of the last
+        :meth:`forward_tree` to the draft cache: :attr:`seen` grows by ``counts``."""
+        self.runner.commit(path, path_len, False, counts)
+
     def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, SparseProbs | None]:
         """The drafted token ``[B]`` (target ids) from the draft's logits ``[B, V]`` and, when sampling,
         the proposal it was drawn from (``[B, 1, k]``)."""

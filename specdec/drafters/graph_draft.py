@@ -187,7 +187,7 @@ class GraphDrafter(Drafter):
         self._graphs = graphs
         fed = [[0] if g is not None else [] for g in graphs]  # graph node of each column of ``logits``
         pending: list[dict[int, int]] = [{} for _ in range(b)]  # graph node -> index in the draft's pending region
-        base_pos = self.base.runner.lengths - 1  # [B] the root's position
+        base_pos = self.base.root_positions()  # [B]
         proposals: list[SparseProbs] = []
         cells = 0
         n_pending = 0
@@ -230,9 +230,7 @@ class GraphDrafter(Drafter):
             extra = None
             if hidden is not None:
                 extra = self.base.frontier_inputs(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])))
-            logits, hidden = self.base.runner.forward_pending(ids, base_pos[:, None] + depth, packed,
-                                                              self.needs_hidden, extra)
-            self.base.draft_calls += 1
+            logits, hidden = self.base.forward_pending(ids, base_pos[:, None] + depth, packed, self.needs_hidden, extra)
             self._stats["draft_forwards"] += 1
             self._stats["draft_rows"] += sum(len(x) for x in grow)
             fed = [[node for node, _ in row] for row in grow]

@@ -354,8 +354,7 @@ class OuroborosDrafter(Drafter):
             col_of = torch.zeros(t, dtype=torch.int64, device=dev)
             col_of[torch.tensor(cols, device=dev)] = torch.arange(len(cols), device=dev)
             at = col_of[at]
-        logits, _ = self.base.runner.forward_tree(tree, logits_at=None if col_of is None else cols)
-        self.base.draft_calls += 1
+        logits, _ = self.base.forward_tree(tree, logits_at=None if col_of is None else cols)
         self._stats["draft_forwards"] += 1
         tok, q, top = self._pick_all(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[2])))
         picks = tok.tolist()
@@ -382,7 +381,7 @@ class OuroborosDrafter(Drafter):
         path_t = torch.full((b, max(counts)), -1, dtype=torch.int64)
         for r, p in enumerate(paths):
             path_t[r, : len(p)] = torch.tensor(p, dtype=torch.int64)
-        self.base.runner.commit(path_t.to(dev), torch.tensor(counts, device=dev), False, counts)  # seen grows by counts
+        self.base.commit(path_t.to(dev), torch.tensor(counts, device=dev), counts)
 
     def _window_update(self, tries, window_at, logits: torch.Tensor, keys: list[int],
                        col_of: torch.Tensor | None = None) -> None:
