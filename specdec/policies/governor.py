@@ -17,9 +17,9 @@ time drafting still loses (8, 16, 32, 64 steps) and resets once it wins, so a ro
 context is found again. While drafting wins it probes again after a number of drafting steps that starts at
 ``pause`` and doubles with each probe drafting wins, up to ``refresh``: one winning probe of three steps a kind is thin
 evidence (its plain steps may carry a fresh decoder's first-step costs), and a governor that trusted it for ``refresh``
-steps drafted 95 of a first call's 104 steps at a loss (`sd:schedule=disco` over 4 rows, 0.88x `ar` in that call). The
-schedule restarts at ``pause`` after a probe that drafting loses; across calls it stays where it got to, so a long-lived
-decoder pays the extra probes once.
+steps drafted 95 of a first call's 104 steps at a loss (`sd:schedule=disco` over 4 rows on an AMX Xeon: 0.66x `ar` in that
+call, 0.88x over its round). The schedule restarts at ``pause`` after a probe that drafting loses (one schedule for
+every batch size); across calls it stays where it got to, so a long-lived decoder pays the extra probes once.
 
 A probe that drafting loses costs time: its drafting steps' seconds beyond what plain steps would have taken
 for the same tokens, counted whole (its first drafting step carries a model draft's catch-up on every token it
@@ -51,7 +51,8 @@ from statistics import median
 # The share of decode time lost probes may cost. 2% left a draft that never pays at 0.96-0.98x `ar` by construction,
 # too near the never-slower bar of 0.97x: `gsd` over 4 rows, 16 dev prompts, two rounds, AMX Xeon: 0.96x (21 drafting
 # steps of 996) at 2%, 0.98x (9 of 1,001) at 1% (bench/RESULTS.md, governor). Drafts that pay are not probed by it: they
-# keep drafting and re-time plain steps every ``refresh`` steps; cheap losing drafts wait out the doubling pause.
+# keep drafting and re-time plain steps after 8, 16, ... up to ``refresh`` steps; cheap losing drafts wait out the doubling
+# pause.
 EXPLORE = 0.01
 
 
@@ -182,7 +183,9 @@ class DraftGovernor:
         whatever batch sizes they ran over (rows finish during a probe), but those more than a factor of two from its
         last step's size: a probe cut by the end of a one-row call is paired by a plain step of the next call, over
         16 rows, and one-row drafting steps against it said drafting won at 16 rows (`sd` then drafted 128 steps
-        running at a sixth of the plain rate: 0.42x `ar` over 4,000 tokens). Sets the pause its cost asks for."""
+        running at a sixth of the plain rate: 0.42x `ar` over 4,000 tokens). Sets the pause its cost asks for, or the
+        drafting steps before plain steps are re-timed; the winning kind's steps from before the probe are dropped as
+        stale (older slow plain steps overruled a lost re-timing probe a step later, then drafting ran unchecked)."""
         steps, self._probe = self._probe, []
         last = steps[-1][1] if steps else 0
         steps = [s for s in steps if s[1] <= 2 * last and last <= 2 * s[1]]
@@ -197,12 +200,12 @@ class DraftGovernor:
         if not wins:
             self._hold = self._cost_pause(drafting, plain)
             self._confirm = min(self.pause, self.refresh)
-        else:  # drafting pays again: the steps from before the probe are stale
+        else:
             self._since_plain, self._recheck = 0, self._confirm
             self._confirm = min(2 * self._confirm, self.refresh)
-            bucket = self._bucket(rows)[True]
-            bucket.clear()
-            bucket.extend(drafting)
+        bucket = self._bucket(rows)[wins]  # the winner's steps from before the probe are stale
+        bucket.clear()
+        bucket.extend(drafting if wins else plain)
         return wins
 
     def _cost_pause(self, drafting: list[tuple[float, float]], plain: list[tuple[float, float]]) -> int:
@@ -221,7 +224,8 @@ class DraftGovernor:
         the same load, on a machine whose speed drifts), drafting first unless this batch size has timed fewer plain
         steps than drafting ones (calls of a step or two at 16 rows, between calls of one row, each cut the probe
         after its first step: always a drafting one, so 16 rows never timed a plain step), or this probe re-times plain
-        steps while drafting wins (``retime``: its first step is plain); or in blocks (``blocks``)."""
+        steps while drafting wins (``retime``: its first step is plain); or in blocks (``blocks``, which ``retime``
+        does not change: drafting steps first)."""
         bucket = self._rates.get(rows)
         plain_first = retime or bucket is not None and len(bucket[False]) < len(bucket[True])
         # popped from the end
