@@ -167,10 +167,10 @@ class SpecDecoder:
                                  f"{dm.config.hidden_size}, the target's are {width}: it was made for another target")
             if name in self.drafts:
                 raise ValueError(f"draft {name!r} given twice")
-            if draft_weights == "q8":
+            if draft_weights != "dense":
                 if isinstance(d, PreTrainedModel):  # the caller's module (perhaps the target itself) stays as given
                     dm = copy.deepcopy(dm)
-                quantize_draft(dm, widen_prompts=linear != "packed")
+                quantize_draft(dm, widen_prompts=linear != "packed", kind=draft_weights)
             self.drafts[name] = (dm, ModelRunner(dm, compile=runner_compile, compile_options=runner_options(dm, overrides)))
         self.draft, self.draft_runner = next(iter(self.drafts.values()), (None, None))
         self.runner = ModelRunner(self.model, compile=runner_compile, compile_options=runner_options(self.model, overrides))

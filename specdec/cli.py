@@ -26,10 +26,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "activations and sums, never quantized: the model's exact weights, 2.8x fewer bytes per step "
                         "for smollm2); dense: transformers' dequantized weights; auto (default): gguf for a model "
                         "from a GGUF file (smollm2, gemma3-270m, a .gguf path)")
-    p.add_argument("--draft-weights", default="dense", choices=["dense", "q8"],
+    p.add_argument("--draft-weights", default="dense", choices=["dense", "q8", "q4"],
                    help="q8: the drafts' linear layers as 8-bit blocks (int8 codes, an fp16 scale per 32 weights), "
-                        "half the bytes a draft forward reads; the output stays the target's (verification is "
-                        "exact whatever a draft computes); dense (default): as the drafts ship")
+                        "half the bytes a draft forward reads; q4: as 4-bit blocks (codes, an fp16 scale and minimum "
+                        "per 32 weights), under a third; the output stays the target's (verification is exact "
+                        "whatever a draft computes); dense (default): as the drafts ship")
     p.add_argument("--compile", nargs="?", const="on", default=None, choices=["auto", "on", "off", "saved"],
                    help="run specdec's decode forwards (target and drafts) through torch.compile, which fuses the "
                         "model's small ops (about 1.3x faster on a CPU; hf baselines stay eager). Compiling takes "

@@ -1,11 +1,11 @@
-"""Drafts with 8-bit weights (draft_weights="q8"): the codes, and output that stays the target's."""
+"""Drafts with 8-bit or 4-bit weights (draft_weights="q8" / "q4"): the codes, and output that stays the target's."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from specdec.api import SpecDecoder, hf_generate
-from specdec.draft_weights import q8_codes, quantize_draft
+from specdec.draft_weights import q4_codes, q8_codes, quantize_draft, round_weights
 from specdec.gguf_weights import QuantLinear
 from specdec.linear import weight_bytes
 from specdec.verify import SamplingConfig
@@ -29,14 +29,34 @@ def test_q8_codes_round_to_nearest_within_half_a_step():
         q8_codes(torch.zeros(4, 40))
 
 
-def test_quantized_draft_halves_its_bytes_and_keeps_the_targets_output():
+def test_q4_codes_round_to_nearest_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=g) * torch.logspace(-3, 1, 96) + 0.3
+    w[3, :32] = 0.25  # a constant group: scale 0, every weight its minimum
+    ac = q4_codes(w)
+    assert ac.codes.dtype == torch.int8 and int(ac.codes.min()) >= 0 and int(ac.codes.max()) <= 15
+    assert ac.bits == 4 and ac.minv is not None
+    assert torch.equal(ac.scale.half().float(), ac.scale) and torch.equal(ac.minv.half().float(), ac.minv)
+    assert float(ac.scale[3, 0]) == 0.0 and torch.equal(ac.dequantize()[3, :32], w[3, :32])
+    assert bool(((ac.codes.view(40, 3, 32).amax(-1) >= 14) | (ac.scale == 0)).all())  # the range is used
+    err = (ac.dequantize() - w).abs().view(40, 3, 32)
+    # Half a step, plus what rounding the minimum and the scale to fp16 moves the grid (2^-11 relative each).
+    slack = 2.0**-10 * (ac.minv.abs() + 15 * ac.scale)
+    assert bool((err <= (ac.scale / 2 + slack)[..., None] + 1e-12).all())
+    with pytest.raises(ValueError, match="groups of 32"):
+        q4_codes(torch.zeros(4, 40))
+
+
+@pytest.mark.parametrize("kind, share", [("q8", 0.6), ("q4", 0.35)])
+def test_quantized_draft_cuts_its_bytes_and_keeps_the_targets_output(kind, share):
     target = tiny_model("llama")
-    dec = SpecDecoder(target, draft=perturbed(target, 0.6), draft_weights="q8")
+    dec = SpecDecoder(target, draft=perturbed(target, 0.6), draft_weights=kind)
     draft = dec.get_draft()[0]
     assert all(isinstance(m, QuantLinear) for m in draft.modules() if isinstance(m, torch.nn.Linear))
+    assert {m.qweight.bits for m in draft.modules() if isinstance(m, QuantLinear)} == {8 if kind == "q8" else 4}
     assert not any(isinstance(m, QuantLinear) for m in target.modules())  # the target is never quantized
     dense = SpecDecoder(target, draft=perturbed(target, 0.6))
-    assert weight_bytes(draft) < 0.6 * weight_bytes(dense.get_draft()[0])
+    assert weight_bytes(draft) < share * weight_bytes(dense.get_draft()[0])
     prompts = [prompt_of(9, seed=1), prompt_of(70, seed=2)]
     for method, opts in [("sd", {"draft_length": 4}), ("gsd", {}), ("ouroboros", {})]:
         out = dec.generate_ids(prompts, method, 30, GREEDY, **opts)
@@ -56,7 +76,26 @@ def test_quantizing_the_target_as_its_own_draft_leaves_the_target_dense():
 
 def test_bad_draft_weights():
     target = tiny_model("llama")
-    with pytest.raises(ValueError, match="draft_weights must be one of dense, q8"):
-        SpecDecoder(target, draft=target, draft_weights="q4")
+    with pytest.raises(ValueError, match="draft_weights must be one of dense, q8, q4"):
+        SpecDecoder(target, draft=target, draft_weights="q3")
     with pytest.raises(ValueError, match="no linear layers"):
         quantize_draft(torch.nn.Sequential(torch.nn.ReLU()))
+
+
+@pytest.mark.parametrize("kind", ["q8", "q4"])
+def test_rounded_weights_compute_what_the_quantized_draft_computes(kind):
+    # What `specdec.distill.agreement --draft-weights` measures: a dense model on the codes' values gives the logits
+    # a quantized draft's few-row forwards give (fp32, up to summation order), and a tied embedding stays dense.
+    target = tiny_model("llama")
+    quantized, rounded = perturbed(target, 0.6), perturbed(target, 0.6)
+    quantize_draft(quantized, kind=kind)
+    embedding = rounded.get_input_embeddings().weight.detach().clone()
+    assert round_weights(rounded, kind) == sum(isinstance(m, QuantLinear) for m in quantized.modules())
+    assert torch.equal(rounded.get_input_embeddings().weight, embedding)
+    ids = torch.tensor([prompt_of(6, seed=3)])
+    with torch.inference_mode():
+        a, b = quantized(ids).logits, rounded(ids).logits
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(b, perturbed(target, 0.6)(ids).logits, atol=1e-4, rtol=1e-4)  # the rounding shows
+    with pytest.raises(ValueError, match="q3"):
+        round_weights(rounded, "q3")

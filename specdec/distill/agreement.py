@@ -7,7 +7,9 @@
 per-token acceptance of one-token ``sd``); ``depth2`` the rate of the second chain token given the
 first (see :func:`specdec.distill.teacher.agreement`). Teacher-forced, so it measures the draft
 alone, without decoding. The target runs in fp32 here; ``specdec distill`` measures its held-out prompts
-with a bf16 teacher, so the two agree only roughly for a feature-conditioned draft.
+with a bf16 teacher, so the two agree only roughly for a feature-conditioned draft. ``--draft-weights q8,q4`` measures
+each draft with its linear weights rounded as ``SpecDecoder(draft_weights=...)`` stores them (each weight replaced by
+its codes' values: the function a quantized draft's few-row forwards compute).
 """
 from __future__ import annotations
 
@@ -21,9 +23,15 @@ from specdec.distill.teacher import Teacher, agreement, make_examples
 
 
 def measure(drafts: list[str], replies: str, target: str = "smollm2", device: str = "cpu",
-            max_context: int = 1024, max_tokens: int = 8192) -> dict:
-    """``{draft: agreement dict}`` on the greedy reply shards of the corpus ``replies``."""
+            max_context: int = 1024, max_tokens: int = 8192, weights: tuple[str, ...] = ("dense",)) -> dict:
+    """``{draft: agreement dict}`` on the greedy reply shards of the corpus ``replies`` (``draft:KIND`` for each
+    ``weights`` kind but dense)."""
+    from specdec.draft_weights import DRAFT_WEIGHTS, round_weights
     from specdec.hub import load_model
+
+    for kind in weights:
+        if kind not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft weights {kind!r}: expected one of {', '.join(DRAFT_WEIGHTS)}")
 
     tgt, tok = load_model(target, "fp32", device)
     corpus = Corpus.load(replies)
@@ -36,11 +44,14 @@ def measure(drafts: list[str], replies: str, target: str = "smollm2", device: st
     teacher = Teacher(tgt)
     out = {}
     for name in drafts:
-        draft, _ = load_model(name, "fp32", device)
-        if not hasattr(draft, "draft_vocab"):
-            raise ValueError(f"{name} is not a distilled specdec draft (no draft vocabulary)")
-        with torch.inference_mode():
-            out[name] = agreement(draft, teacher, examples, max_tokens)
+        for kind in weights:
+            draft, _ = load_model(name, "fp32", device)
+            if not hasattr(draft, "draft_vocab"):
+                raise ValueError(f"{name} is not a distilled specdec draft (no draft vocabulary)")
+            if kind != "dense":
+                round_weights(draft, kind)
+            with torch.inference_mode():
+                out[name if kind == "dense" else f"{name}:{kind}"] = agreement(draft, teacher, examples, max_tokens)
     return out
 
 
@@ -51,11 +62,13 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--draft-weights", default="dense", help="comma list of dense, q8, q4 (each draft measured with each)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = measure(args.drafts.split(","), args.replies, args.target, args.device)
+    res = measure(args.drafts.split(","), args.replies, args.target, args.device,
+                  weights=tuple(args.draft_weights.split(",")))
     cats = sorted({c for r in res.values() for c in r["per_category"]})
     print(f"{'draft':<40} {'all':>11} " + " ".join(f"{c[:11]:>11}" for c in cats))
     for name, r in res.items():
