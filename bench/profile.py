@@ -4,7 +4,7 @@
 
     step-split     a method's decode time after prefill: target forwards against everything else
     step-cost      the target's cost of one forward over T tree tokens, c(T), as the runtime calibrates it
-    draft-cost     c, one draft forward over one target step, per draft and draft weights (dense, q8)
+    draft-cost     c, one draft forward over one target step, per draft and draft weights (dense, q8, q4)
     forward-split  one forward over T tokens split into the linear layers and the rest (--compile: also compiled)
     model-linears  every linear layer of the model over M rows, alone, through the packed kernel (and torch's)
     prefill        prompt encoding through causal SDPA against the tree-attention kernel
@@ -200,7 +200,7 @@ DRAFT_COST = """c, what a draft forward costs: one draft token's forward over on
 
     python -m bench.profile draft-cost --dtype bf16 --drafts smollm2-draft,smollm2-eagle --draft-weights dense,q8
 
-For each draft and each ``--draft-weights`` (dense: as shipped; q8: its linear layers as 8-bit blocks,
+For each draft and each ``--draft-weights`` (dense: as shipped; q8 / q4: its linear layers as 8-bit / 4-bit blocks,
 :mod:`specdec.draft_weights`) one decoder is built; the target's one-token step (``StepCost``) and the draft's
 one-token forward (``draft_seconds``, what the planners read) are each the best of ``--repeats`` calibrations
 after a ``--context``-token prefix, interleaved round by round. c is the draft's over the target's, same

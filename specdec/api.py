@@ -122,7 +122,7 @@ class SpecDecoder:
     layers of models loaded by name (``auto``, ``packed``, ``skinny``, ``torch``; see :mod:`specdec.linear`); a
     loaded model is used as given. ``weights``: ``auto`` (default: a model from a GGUF file computes with the
     file's quantized blocks as stored, :mod:`specdec.gguf_weights`), ``gguf`` or ``dense``. ``draft_weights``:
-    ``dense`` (default) or ``q8``, the drafts' linear layers as 8-bit blocks, swapped in place
+    ``dense`` (default), ``q8`` or ``q4``, the drafts' linear layers as 8-bit or 4-bit blocks, swapped in place
     (:mod:`specdec.draft_weights`; output stays the target's). ``compile``: whether the runners of target and drafts run their decode
     forwards through ``torch.compile`` (:class:`ModelRunner`): ``"auto"`` (the default, from
     ``$SPECDEC_COMPILE``) decodes eagerly while the graphs compile in the background and switches to

@@ -62,11 +62,17 @@ def quantize_draft(model: nn.Module, widen_prompts: bool = True, kind: str = "q8
         raise ValueError(f"draft_weights={kind!r}: the draft has no linear layers to quantize")
     swapped = 0
     for name, linear in list(model.named_modules()):
-        if not isinstance(linear, nn.Linear) or isinstance(linear, QuantLinear) or linear.in_features % GROUP:
+        if not _quantizable(linear):
             continue
         swap_in_quant(model, name, CODES[kind](linear.weight), widen_prompts=widen_prompts)
         swapped += 1
     return swapped
+
+
+def _quantizable(module: nn.Module) -> bool:
+    """Whether :func:`quantize_draft` swaps ``module`` (and :func:`round_weights` rounds it): a dense linear layer
+    whose input width is a multiple of :data:`GROUP`."""
+    return isinstance(module, nn.Linear) and not isinstance(module, QuantLinear) and module.in_features % GROUP == 0
 
 
 def round_weights(model: nn.Module, kind: str) -> int:
@@ -77,8 +83,8 @@ def round_weights(model: nn.Module, kind: str) -> int:
     if kind not in CODES:
         raise ValueError(f"draft weights {kind!r}: expected one of {', '.join(CODES)}")
     rounded = 0
-    for linear in model.modules():
-        if isinstance(linear, nn.Linear) and linear.in_features % GROUP == 0:
+    for linear in list(model.modules()):
+        if _quantizable(linear):
             # A new Parameter, not an in-place copy: a weight tied to the embedding stays dense there, as in a
             # quantized draft (its QuantLinear keeps the dense Parameter for everything but its products).
             w = CODES[kind](linear.weight).dequantize().to(linear.weight.dtype)

@@ -88,14 +88,31 @@ def test_rounded_weights_compute_what_the_quantized_draft_computes(kind):
     # a quantized draft's few-row forwards give (fp32, up to summation order), and a tied embedding stays dense.
     target = tiny_model("llama")
     quantized, rounded = perturbed(target, 0.6), perturbed(target, 0.6)
-    quantize_draft(quantized, kind=kind)
+    for m in (quantized, rounded):  # tied, as the shipped drafts are (tie_word_embeddings)
+        m.lm_head.weight = m.get_input_embeddings().weight
     embedding = rounded.get_input_embeddings().weight.detach().clone()
+    quantize_draft(quantized, kind=kind)
     assert round_weights(rounded, kind) == sum(isinstance(m, QuantLinear) for m in quantized.modules())
-    assert torch.equal(rounded.get_input_embeddings().weight, embedding)
+    for m in (quantized, rounded):
+        assert torch.equal(m.get_input_embeddings().weight, embedding)  # the embedding stays dense
+    assert not torch.equal(rounded.lm_head.weight, embedding)  # the head reads the rounded copy
+    assert round_weights(quantized, kind) == 0  # quantized layers are not rounded again
     ids = torch.tensor([prompt_of(6, seed=3)])
     with torch.inference_mode():
         a, b = quantized(ids).logits, rounded(ids).logits
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(b, perturbed(target, 0.6)(ids).logits, atol=1e-4, rtol=1e-4)  # the rounding shows
+    dense = perturbed(target, 0.6)
+    dense.lm_head.weight = dense.get_input_embeddings().weight
+    assert not torch.allclose(b, dense(ids).logits, atol=1e-4, rtol=1e-4)  # the rounding shows
     with pytest.raises(ValueError, match="q3"):
         round_weights(rounded, "q3")
+
+
+def test_the_cli_offers_every_draft_weights_kind(capsys):
+    from specdec.cli import main
+    from specdec.draft_weights import DRAFT_WEIGHTS
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--draft-weights", "q3", "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'q3'" in err and all(f"'{k}'" in err for k in DRAFT_WEIGHTS)

@@ -29,6 +29,7 @@ def measure(drafts: list[str], replies: str, target: str = "smollm2", device: st
     from specdec.draft_weights import DRAFT_WEIGHTS, round_weights
     from specdec.hub import load_model
 
+    weights = tuple(dict.fromkeys(weights))  # each kind once
     for kind in weights:
         if kind not in DRAFT_WEIGHTS:
             raise ValueError(f"draft weights {kind!r}: expected one of {', '.join(DRAFT_WEIGHTS)}")
@@ -48,8 +49,8 @@ def measure(drafts: list[str], replies: str, target: str = "smollm2", device: st
             draft, _ = load_model(name, "fp32", device)
             if not hasattr(draft, "draft_vocab"):
                 raise ValueError(f"{name} is not a distilled specdec draft (no draft vocabulary)")
-            if kind != "dense":
-                round_weights(draft, kind)
+            if kind != "dense" and not round_weights(draft, kind):
+                raise ValueError(f"{name} has no linear layer that draft weights {kind!r} would round")
             with torch.inference_mode():
                 out[name if kind == "dense" else f"{name}:{kind}"] = agreement(draft, teacher, examples, max_tokens)
     return out
