@@ -51,20 +51,26 @@ def q4_codes(weight: torch.Tensor, group: int = GROUP) -> AffineCodes:
 CODES = {"q8": q8_codes, "q4": q4_codes}
 
 
+def _codes(kind: str):
+    """The function that makes ``kind``'s codes (:data:`CODES`), or a clear error."""
+    if kind not in CODES:
+        raise ValueError(f"draft weights {kind!r}: expected one of {', '.join(CODES)}")
+    return CODES[kind]
+
+
 def quantize_draft(model: nn.Module, widen_prompts: bool = True, kind: str = "q8") -> int:
     """Swap every linear layer of ``model`` whose input width is a multiple of :data:`GROUP` for a
     :class:`specdec.gguf_weights.QuantLinear` over its ``kind`` codes (``"q8"``: :func:`q8_codes`, ``"q4"``:
     :func:`q4_codes`), in place (dense Parameters kept: prompts and gradients use them); returns the number swapped.
     widen_prompts: as in :meth:`specdec.gguf_weights.QuantLinear.from_quant` (False for ``--linear packed``)."""
-    if kind not in CODES:
-        raise ValueError(f"draft weights {kind!r}: expected one of {', '.join(CODES)}")
+    codes = _codes(kind)
     if not any(isinstance(m, nn.Linear) for m in model.modules()):
         raise ValueError(f"draft_weights={kind!r}: the draft has no linear layers to quantize")
     swapped = 0
     for name, linear in list(model.named_modules()):
         if not _quantizable(linear):
             continue
-        swap_in_quant(model, name, CODES[kind](linear.weight), widen_prompts=widen_prompts)
+        swap_in_quant(model, name, codes(linear.weight), widen_prompts=widen_prompts)
         swapped += 1
     return swapped
 
@@ -80,14 +86,13 @@ def round_weights(model: nn.Module, kind: str) -> int:
     codes' values (dequantized, in the weight's dtype), in place; returns the number rounded. The model then computes,
     at any row count, the function a quantized draft's few-row forwards compute (up to summation order): what
     ``python -m specdec.distill.agreement --draft-weights`` measures."""
-    if kind not in CODES:
-        raise ValueError(f"draft weights {kind!r}: expected one of {', '.join(CODES)}")
+    codes = _codes(kind)
     rounded = 0
     for linear in list(model.modules()):
         if _quantizable(linear):
             # A new Parameter, not an in-place copy: a weight tied to the embedding stays dense there, as in a
             # quantized draft (its QuantLinear keeps the dense Parameter for everything but its products).
-            w = CODES[kind](linear.weight).dequantize().to(linear.weight.dtype)
+            w = codes(linear.weight).dequantize().to(linear.weight.dtype)
             linear.weight = nn.Parameter(w, requires_grad=False)
             rounded += 1
     return rounded
