@@ -279,3 +279,26 @@ def test_graphs_compiled_inside_timed_runs_are_summed_and_named():
     lines = format_table(res).splitlines()
     assert [line for line in lines if "compiled inside timed runs" in line] == \
         ["ouroboros: 3 graph(s) compiled inside timed runs, 24.5 s of its time (a forward no warm-up graph covered)"]
+
+
+def test_step_threads_splits_perf_samples_by_thread_and_kind():
+    """bench.studies.step_threads reads `perf script -F tid,ip,sym,dso` lines: each sample lands in its thread and
+    category (kernels by their template name, waits by library), unknown code in `other`, malformed lines nowhere."""
+    from bench.studies.step_threads import split_samples
+
+    lines = [
+        "  101      7fcf2c01de62 [unknown] (/venv/torch/lib/libgomp.so.1)",
+        "  101      7fceedb86063 specdec::(anonymous namespace)::isa_avx2::run<4, true, true> (/r/specdec/_C.cpython-311-x86_64-linux-gnu.so)",
+        "  100      7fceedb86063 specdec::(anonymous namespace)::isa_avx2::run<8, true, false> (/r/specdec/_C.cpython-311-x86_64-linux-gnu.so)",
+        "  100      7fceedb86063 specdec::(anonymous namespace)::attend_avx2<c10::BFloat16> (/r/specdec/_C.cpython-311-x86_64-linux-gnu.so)",
+        "  100      7fceedb86063 specdec::(anonymous namespace)::run_products (/r/specdec/_C.cpython-311-x86_64-linux-gnu.so)",
+        "  100      7fcf1c301d35 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)",
+        "  100      7fcf1c301d35 cpp_fused_mul_quant_linear_silu_view_3._omp_fn.0 (/tmp/torchinductor_root/ab/cab.main.so)",
+        "  100      7fcf1c301d35 c10::Dispatcher::callBoxed (/venv/torch/lib/libtorch_cpu.so)",
+        "  100      7fcf1c301d35 something (/lib/ld-linux-x86-64.so.2)",
+        "not a sample line",
+    ]
+    out = split_samples("\n".join(lines))
+    assert dict(out[101]) == {"OpenMP waits": 1, "4-bit weight kernel": 1}
+    assert dict(out[100]) == {"8-bit weight kernel": 1, "tree attention": 1, "specdec ops, host side": 1, "Python": 1,
+                              "inductor fused kernels": 1, "libtorch (dispatch, AOTI shims, math)": 1, "other": 1}
