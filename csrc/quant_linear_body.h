@@ -4,6 +4,10 @@
 //
 // Expects in scope: Args, RunFn, kPanel, store_row (quant_linear.cpp).
 
+// Whether micro<MR, NP> decodes one code vector pair at a time (see there): AVX2's 2-row, 2-panel block.
+template <int MR, int NP>
+constexpr bool kOneCodeAtATime = Ops::L == 8 && MR > 1 && NP > 1;
+
 // Rows [m0, m0 + MR) against panels [p0, p0 + NP), L lanes a vector (16 / L vectors a panel).
 template <int BITS, bool F16, bool MIN, int MR, int NP>
 SPECDEC_INLINE void micro(const Args& a, int64_t m0, int64_t p0) {
@@ -45,24 +49,48 @@ SPECDEC_INLINE void micro(const Args& a, int64_t m0, int64_t p0) {
       for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 2
         for (int h = 0; h < H; ++h) dot[m][p][h] = Ops::zero();
-    for (int j = 0; j < G / S; ++j) {
+    // Every output element's multiply-adds run in the same order (j, then s) in both loop forms: they differ only in
+    // which vectors are live at once.
+    if constexpr (kOneCodeAtATime<MR, NP>) {
+      // One code vector pair at a time, each x value broadcast where it is used: with AVX2's 16 registers the other
+      // form keeps all of a panel's codes and every row's broadcasts live and spills an accumulator at 2 rows x 2
+      // panels (this form: 1024x576 Q4_1 at 2 rows, one thread, Zen 3, 47 -> 40 us).
+      for (int j = 0; j < G / S; ++j) {
 #pragma GCC unroll 4
-      for (int p = 0; p < NP; ++p) {
-        // The panel's codes first, then one x value at a time into every vector of the panel: H * S code vectors,
-        // one broadcast and the accumulators live at once (AVX2 has 16 registers).
-        VF c[H][S];
+        for (int p = 0; p < NP; ++p) {
 #pragma GCC unroll 2
-        for (int h = 0; h < H; ++h) Ops::template codes<BITS>(q[p] + j * kPanel + h * L, c[h]);
+          for (int h = 0; h < H; ++h) {
+            VF c[S];
+            Ops::template codes<BITS>(q[p] + j * kPanel + h * L, c);
+#pragma GCC unroll 2
+            for (int s = 0; s < S; ++s) {
 #pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 2
-          for (int s = 0; s < S; ++s) {
-            const VF xb = Ops::bcast(xk + m * a.K + S * j + s);
-#pragma GCC unroll 2
-            for (int h = 0; h < H; ++h) {
-              dot[m][p][h] = Ops::fma(xb, c[h][s], dot[m][p][h]);
+              for (int m = 0; m < MR; ++m)
+                dot[m][p][h] = Ops::fma(Ops::bcast(xk + m * a.K + S * j + s), c[s], dot[m][p][h]);
             }
           }
+        }
+      }
+    } else {
+      for (int j = 0; j < G / S; ++j) {
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p) {
+          // The panel's codes first, then one x value at a time into every vector of the panel: H * S code vectors,
+          // one broadcast and the accumulators live at once (AVX2 has 16 registers).
+          VF c[H][S];
+#pragma GCC unroll 2
+          for (int h = 0; h < H; ++h) Ops::template codes<BITS>(q[p] + j * kPanel + h * L, c[h]);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+            for (int s = 0; s < S; ++s) {
+              const VF xb = Ops::bcast(xk + m * a.K + S * j + s);
+#pragma GCC unroll 2
+              for (int h = 0; h < H; ++h) {
+                dot[m][p][h] = Ops::fma(xb, c[h][s], dot[m][p][h]);
+              }
+            }
+        }
       }
     }
 #pragma GCC unroll 4
@@ -127,12 +155,13 @@ SPECDEC_INLINE void rows(const Args& a, int64_t p, int64_t p_end) {
 }
 
 // Panels per register block and rows per block, by lane width: 16 lanes (AVX-512, 32 registers) keep 4
-// panels at one row and 2 panels of up to 4 rows; 8 lanes (AVX2, 16 registers) 2 panels at one row and one
-// panel of up to 4 rows (8 accumulators, 4 code vectors and a broadcast: 5 rows spill, and 4 rows reach
-// 1.3-1.7x the 2-row block's speed at 4 to 16 rows on a Zen 3).
+// panels at one row and 2 panels of up to 4 rows; 8 lanes (AVX2, 16 registers) 2 panels at one and at two rows
+// (8 accumulators at two rows: the FMA chains of a 1-panel block leave the units half idle) and one panel of up
+// to 4 rows past that (8 accumulators, 4 code vectors and a broadcast: 5 rows spill, and 4 rows reach 1.3-1.7x
+// the 2-row block's speed at 4 to 16 rows on a Zen 3).
 inline int64_t panels_per_unit(int64_t M) {
   if constexpr (Ops::L == 16) return M == 1 ? 4 : 2;
-  else return M == 1 ? 2 : 1;
+  else return M <= 2 ? 2 : 1;
 }
 
 template <int BITS, bool F16, bool MIN>
@@ -143,7 +172,8 @@ void run(const Args& a, int64_t p_begin, int64_t p_end) {
       if (np == 4) rows<BITS, F16, MIN, 4, 1>(a, p, p_end);
       else rows<BITS, F16, MIN, 2, 4>(a, p, p_end);
     } else {
-      if (np == 2) rows<BITS, F16, MIN, 2, 1>(a, p, p_end);
+      if (np == 2 && a.M == 1) rows<BITS, F16, MIN, 2, 1>(a, p, p_end);
+      else if (np == 2) rows<BITS, F16, MIN, 2, 2>(a, p, p_end);
       else rows<BITS, F16, MIN, 1, 4>(a, p, p_end);
     }
   }
