@@ -321,6 +321,29 @@ def packed_linear_case(m: int, dtype: torch.dtype) -> Case:
     return Case("packed_linear", f"24 x [1536, 576] M={m} {name}", ours, base, "specdec skinny_linear")
 
 
+def quant_linear_case(m: int, dtype: torch.dtype) -> Case:
+    """M rows through 64 weights of SmolLM2's MLP shape kept as Q4_1 blocks (the embedded model's layer format:
+    4-bit codes, fp16 scale and min per 32 weights; 36 MB, more than the L3 cache), against ``F.linear`` on the
+    same weights dense in x's dtype, the product a transformers user runs."""
+    from specdec.gguf_blocks import AffineCodes
+    from specdec.kernels.quant import pack_quant_weight, quant_linear
+
+    g = torch.Generator().manual_seed(0)
+    qs = []
+    for _ in range(64):
+        codes = torch.randint(0, 16, (1536, 576), generator=g, dtype=torch.int8)
+        scale = (torch.rand(1536, 18, generator=g) * 0.02).half().float()
+        minv = (-8 * scale).half().float()
+        qs.append(pack_quant_weight(AffineCodes(codes, scale, minv, 4, 32, True, "Q4_1")))
+    ws = [q.dequantize().to(dtype) for q in qs]
+    x = torch.randn(m, 576, generator=g).to(dtype)
+    ours = lambda: [quant_linear(x, q) for q in qs]  # noqa: E731
+    base = lambda: [torch.nn.functional.linear(x, w) for w in ws]  # noqa: E731
+    torch.testing.assert_close(ours()[0].float(), base()[0].float(), atol=0.05, rtol=2e-2)
+    name = str(dtype).replace("torch.", "")
+    return Case("quant_linear", f"64 x [1536, 576] Q4_1 M={m} {name}", ours, base, "torch.nn.functional.linear (dense)")
+
+
 # (id, builder): building a case makes its inputs and checks ours against the baseline once.
 CASES: list[tuple[str, Callable[[], Case]]] = [
     ("ngram_match", ngram_case),
@@ -344,6 +367,8 @@ CASES: list[tuple[str, Callable[[], Case]]] = [
       for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for m in (1, 2, 4, 8, 16)),
     *((f"packed_linear-M{m}-{name}", functools.partial(packed_linear_case, m, dt))
       for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for m in (1, 2, 4, 8, 16, 64)),
+    *((f"quant_linear-M{m}-{name}", functools.partial(quant_linear_case, m, dt))
+      for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for m in (1, 2, 3, 4, 8)),
 ]
 
 

@@ -2,7 +2,7 @@
 
 Runs the target's one-token step (``ModelRunner.forward_tree`` on a one-node tree, the `ar` step) in a loop for
 ``--seconds`` while ``perf record -e cpu-clock`` (a software clock: no PMU needed, as in a VM) samples this process,
-then splits each thread's samples by where they landed: the quantized-weight kernels (4-bit and 8-bit), tree
+then splits each thread's samples by where they landed (and lists each thread's top symbols in the JSON): the quantized-weight kernels (4-bit and 8-bit), tree
 attention, inductor's fused kernels, OpenMP waits (the worker spinning while the main thread runs serial code, or
 either thread at a barrier), Python and the host libraries. Printed and written as milliseconds per step::
 
@@ -38,6 +38,7 @@ CATEGORIES = [
     ("libtorch (dispatch, AOTI shims, math)", lambda sym, lib: lib.startswith("libtorch_cpu") or lib.startswith("libc10")),
     ("libc (malloc, memset)", lambda sym, lib: lib.startswith("libc.so")),
 ]
+TOP_SYMBOLS = 40  # per thread, in the JSON
 SAMPLE = re.compile(r"^\s*(\d+)\s+[0-9a-f]+\s+(.*?)\s+\(([^()]*)\)\s*$")
 
 
@@ -49,14 +50,17 @@ def classify(sym: str, lib: str) -> str:
     return "other"
 
 
-def split_samples(script: str) -> dict[int, collections.Counter]:
-    """Per thread id, samples per category, from ``perf script -F tid,ip,sym,dso`` output."""
+def split_samples(script: str, symbols: dict[int, collections.Counter] | None = None) -> dict[int, collections.Counter]:
+    """Per thread id, samples per category, from ``perf script -F tid,ip,sym,dso`` output; with ``symbols``, also
+    fills it with each thread's samples per symbol."""
     out: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     for line in script.splitlines():
         m = SAMPLE.match(line)
         if m:
             tid, sym, dso = m.groups()
             out[int(tid)][classify(sym, os.path.basename(dso))] += 1
+            if symbols is not None:
+                symbols.setdefault(int(tid), collections.Counter())[sym] += 1
     return out
 
 
@@ -101,10 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
             script = subprocess.run([perf, "script", "-i", data, "-F", "tid,ip,sym,dso"], check=True,
                                     capture_output=True, text=True).stdout
     step_ms = wall / steps * 1e3
-    threads = split_samples(script)
+    symbols: dict[int, collections.Counter] = {}
+    threads = split_samples(script, symbols)
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(),
               "model": args.model, "dtype": args.dtype, "context": args.context, "steps": steps,
-              "step_ms": step_ms, "per_thread": {}}
+              "step_ms": step_ms, "per_thread": {}, "top_symbols": {}}
     print(f"{steps} one-token steps, {step_ms:.2f} ms a step ({args.model}, {args.dtype}, context {args.context}, "
           f"{torch.get_num_threads()} threads); ms a step by where each thread was:")
     for tid, counts in sorted(threads.items(), key=lambda kv: kv[0] != main_tid):
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         name = "main" if tid == main_tid else f"worker {tid}"
         ms = {cat: n / total * step_ms for cat, n in counts.most_common()}
         result["per_thread"][name] = ms
+        result["top_symbols"][name] = {sym: n / total * step_ms for sym, n in symbols[tid].most_common(TOP_SYMBOLS)}
         print(f"  {name}: " + ", ".join(f"{cat} {v:.2f}" for cat, v in ms.items() if v >= 0.01))
     if args.json:
         with open(args.json, "w") as f:
