@@ -4,7 +4,8 @@
 //
 // Expects in scope: Args, RunFn, kPanel, store_row (quant_linear.cpp).
 
-// Whether micro<MR, NP> decodes one code vector pair at a time (see there): AVX2's 2-row, 2-panel block.
+// Whether micro<MR, NP> decodes one code vector pair at a time (see there): the 2-row, 2-panel block of the 8-lane
+// ISAs (AVX2, and the baseline's generic 8-lane vectors).
 template <int MR, int NP>
 constexpr bool kOneCodeAtATime = Ops::L == 8 && MR > 1 && NP > 1;
 
@@ -53,8 +54,8 @@ SPECDEC_INLINE void micro(const Args& a, int64_t m0, int64_t p0) {
     // which vectors are live at once.
     if constexpr (kOneCodeAtATime<MR, NP>) {
       // One code vector pair at a time, each x value broadcast where it is used: with AVX2's 16 registers the other
-      // form keeps all of a panel's codes and every row's broadcasts live and spills an accumulator at 2 rows x 2
-      // panels (this form: 1024x576 Q4_1 at 2 rows, one thread, Zen 3, 47 -> 40 us).
+      // form keeps all of a panel's codes and every row's broadcasts live, and spills an accumulator at 2 rows x 2
+      // panels.
       for (int j = 0; j < G / S; ++j) {
 #pragma GCC unroll 4
         for (int p = 0; p < NP; ++p) {

@@ -296,9 +296,14 @@ def test_step_threads_splits_perf_samples_by_thread_and_kind():
         "  100      7fcf1c301d35 cpp_fused_mul_quant_linear_silu_view_3._omp_fn.0 (/tmp/torchinductor_root/ab/cab.main.so)",
         "  100      7fcf1c301d35 c10::Dispatcher::callBoxed (/venv/torch/lib/libtorch_cpu.so)",
         "  100      7fcf1c301d35 something (/lib/ld-linux-x86-64.so.2)",
+        "  100      7fcf1c301d35 inductor_entry_impl (/tmp/torchinductor_root/ab/cab.main.so)",
+        "  100      7fcf1c301d35 malloc (/usr/lib/x86_64-linux-gnu/libc.so.6 (deleted))",
         "not a sample line",
     ]
-    out = split_samples("\n".join(lines))
+    symbols = {}
+    out = split_samples("\n".join(lines), symbols)
     assert dict(out[101]) == {"OpenMP waits": 1, "4-bit weight kernel": 1}
     assert dict(out[100]) == {"8-bit weight kernel": 1, "tree attention": 1, "specdec ops, host side": 1, "Python": 1,
-                              "inductor fused kernels": 1, "libtorch (dispatch, AOTI shims, math)": 1, "other": 1}
+                              "inductor fused kernels": 1, "libtorch (dispatch, AOTI shims, math)": 1, "other": 1,
+                              "inductor wrapper": 1, "libc (malloc, memset)": 1}
+    assert symbols[101]["[unknown]"] == 1 and symbols[100]["malloc"] == 1 and sum(symbols[100].values()) == 9

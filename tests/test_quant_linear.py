@@ -11,7 +11,7 @@ import torch
 
 from specdec.gguf_blocks import AffineCodes, decode_blocks
 from specdec.kernels import has_native
-from specdec.kernels.quant import QuantWeight, _unpack_cpu, pack_quant_weight, quant_linear
+from specdec.kernels.quant import QuantWeight, _unpack_cpu, pack_quant_weight, quant_linear, quant_linear_group
 
 pytestmark = pytest.mark.skipif(not has_native("quant_linear"), reason="needs the compiled extension")
 
@@ -79,16 +79,24 @@ def test_matches_dequantize_then_matmul(fmt, dtype, m):
 
 
 @pytest.mark.parametrize("fmt", FORMATS[:4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_batch_invariant(fmt, dtype):
-    """A row's result does not depend on the rows that share the call, bit for bit."""
+    """A row's result does not depend on the rows that share the call, bit for bit: alone, with a bias, and side by
+    side with another weight in one grouped call (each product writing its columns of one output). 70 columns: an
+    odd number of 16-column panels, so blocks of two panels end on a single one."""
     n, k = 70, 128
     ac = random_codes(n, k, *fmt)
     qw = pack_quant_weight(ac)
     x = torch.randn(40, k).to(dtype)
+    b = torch.randn(n).to(dtype)
     alone = torch.cat([quant_linear(x[i:i + 1], qw) for i in range(40)])
-    for m in (2, 3, 6, 7, 8, 9, 16, 40):
+    alone_b = torch.cat([quant_linear(x[i:i + 1], qw, b) for i in range(40)])
+    grouped = torch.cat([torch.cat(quant_linear_group(x[i:i + 1], [qw, qw], [b, None]), 1) for i in range(40)])
+    for m in (2, 3, 4, 6, 7, 8, 9, 16, 40):
         assert torch.equal(quant_linear(x[:m], qw), alone[:m]), m
+        assert torch.equal(quant_linear(x[:m], qw, b), alone_b[:m]), m
+        assert torch.equal(torch.cat(quant_linear_group(x[:m], [qw, qw], [b, None]), 1), grouped[:m]), m
+    assert torch.equal(grouped[:, :n], alone_b) and torch.equal(grouped[:, n:], alone)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

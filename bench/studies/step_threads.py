@@ -1,10 +1,12 @@
 """Where each thread's time goes in the compiled one-token decode step: kernels, host code, idle waits.
 
 Runs the target's one-token step (``ModelRunner.forward_tree`` on a one-node tree, the `ar` step) in a loop for
-``--seconds`` while ``perf record -e cpu-clock`` (a software clock: no PMU needed, as in a VM) samples this process,
-then splits each thread's samples by where they landed (and lists each thread's top symbols in the JSON): the quantized-weight kernels (4-bit and 8-bit), tree
-attention, inductor's fused kernels, OpenMP waits (the worker spinning while the main thread runs serial code, or
-either thread at a barrier), Python and the host libraries. Printed and written as milliseconds per step::
+``--seconds`` while ``perf record -e cpu-clock`` (a software clock: no PMU needed, as in a VM) samples this
+process, then splits each thread's samples by where they landed: the quantized-weight kernels (4-bit and 8-bit),
+tree attention, inductor's fused kernels, OpenMP waits (the worker spinning while the main thread runs serial
+code, or either thread at a barrier), Python and the host libraries; the JSON adds each thread's top symbols and
+sample count. Milliseconds per step: a thread's share of its own samples times the step (a thread that slept
+instead of spinning would read short; OpenMP's workers spin between parallel regions)::
 
     OMP_NUM_THREADS=2 python -m bench.studies.step_threads --seconds 10 --json bench/results/step_threads_zen3.json
 
@@ -32,14 +34,14 @@ CATEGORIES = [
     ("tree attention", lambda sym, lib: "attend" in sym and lib.startswith("_C.")),
     ("specdec ops, host side", lambda sym, lib: lib.startswith("_C.")),
     ("inductor fused kernels", lambda sym, lib: "cpp_fused" in sym),
-    ("inductor wrapper", lambda sym, lib: lib.endswith(".main.so") or lib.endswith("main.so")),
+    ("inductor wrapper", lambda sym, lib: lib.endswith("main.so")),
     ("OpenMP waits", lambda sym, lib: lib.startswith("libgomp") or lib.startswith("libomp")),
     ("Python", lambda sym, lib: lib.startswith("libpython") or lib.startswith("libtorch_python")),
     ("libtorch (dispatch, AOTI shims, math)", lambda sym, lib: lib.startswith("libtorch_cpu") or lib.startswith("libc10")),
     ("libc (malloc, memset)", lambda sym, lib: lib.startswith("libc.so")),
 ]
 TOP_SYMBOLS = 40  # per thread, in the JSON
-SAMPLE = re.compile(r"^\s*(\d+)\s+[0-9a-f]+\s+(.*?)\s+\(([^()]*)\)\s*$")
+SAMPLE = re.compile(r"^\s*(\d+)\s+[0-9a-f]+\s+(.*?)\s+\(([^()]*(?:\([^()]*\))?)\)\s*$")  # "(lib.so (deleted))" too
 
 
 def classify(sym: str, lib: str) -> str:
@@ -58,7 +60,7 @@ def split_samples(script: str, symbols: dict[int, collections.Counter] | None = 
         m = SAMPLE.match(line)
         if m:
             tid, sym, dso = m.groups()
-            out[int(tid)][classify(sym, os.path.basename(dso))] += 1
+            out[int(tid)][classify(sym, os.path.basename(dso.split(" (")[0]))] += 1
             if symbols is not None:
                 symbols.setdefault(int(tid), collections.Counter())[sym] += 1
     return out
@@ -100,6 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
                 runner.forward_tree(tree)
                 steps += 1
             wall = time.perf_counter() - start
+            if steps == 0:
+                raise SystemExit("perf record ended before a step ran: " + rec.stderr.read().decode()[-500:])
             if rec.returncode != 0:
                 raise SystemExit(f"perf record failed: {rec.stderr.read().decode()[-500:]}")
             script = subprocess.run([perf, "script", "-i", data, "-F", "tid,ip,sym,dso"], check=True,
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         name = "main" if tid == main_tid else f"worker {tid}"
         ms = {cat: n / total * step_ms for cat, n in counts.most_common()}
         result["per_thread"][name] = ms
+        result.setdefault("samples", {})[name] = total
         result["top_symbols"][name] = {sym: n / total * step_ms for sym, n in symbols[tid].most_common(TOP_SYMBOLS)}
         print(f"  {name}: " + ", ".join(f"{cat} {v:.2f}" for cat, v in ms.items() if v >= 0.01))
     if args.json:
