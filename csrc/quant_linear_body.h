@@ -173,8 +173,7 @@ void run(const Args& a, int64_t p_begin, int64_t p_end) {
       if (np == 4) rows<BITS, F16, MIN, 4, 1>(a, p, p_end);
       else rows<BITS, F16, MIN, 2, 4>(a, p, p_end);
     } else {
-      if (np == 2 && a.M == 1) rows<BITS, F16, MIN, 2, 1>(a, p, p_end);
-      else if (np == 2) rows<BITS, F16, MIN, 2, 2>(a, p, p_end);
+      if (np == 2) rows<BITS, F16, MIN, 2, 2>(a, p, p_end);  // one row: micro<1, 2>; two rows: micro<2, 2>
       else rows<BITS, F16, MIN, 1, 4>(a, p, p_end);
     }
   }
