@@ -325,16 +325,11 @@ def quant_linear_case(m: int, dtype: torch.dtype) -> Case:
     """M rows through 64 weights of SmolLM2's MLP shape kept as Q4_1 blocks (the embedded model's layer format:
     4-bit codes, fp16 scale and min per 32 weights; 36 MB, more than the L3 cache), against ``F.linear`` on the
     same weights dense in x's dtype, the product a transformers user runs."""
-    from specdec.gguf_blocks import AffineCodes
+    from specdec.draft_weights import q4_codes
     from specdec.kernels.quant import pack_quant_weight, quant_linear
 
     g = torch.Generator().manual_seed(0)
-    qs = []
-    for _ in range(64):
-        codes = torch.randint(0, 16, (1536, 576), generator=g, dtype=torch.int8)
-        scale = (torch.rand(1536, 18, generator=g) * 0.02).half().float()
-        minv = (-8 * scale).half().float()
-        qs.append(pack_quant_weight(AffineCodes(codes, scale, minv, 4, 32, True, "Q4_1")))
+    qs = [pack_quant_weight(q4_codes(torch.randn(1536, 576, generator=g) * 0.02)) for _ in range(64)]
     ws = [q.dequantize().to(dtype) for q in qs]
     x = torch.randn(m, 576, generator=g).to(dtype)
     ours = lambda: [quant_linear(x, q) for q in qs]  # noqa: E731
