@@ -492,6 +492,16 @@ template <typename scalar_t>
 SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, int64_t c0, int64_t n) {
   const int64_t M = w.M, D = w.D, Dp = w.Dp, ld = w.ld;
   const bool direct = M <= a.direct_rows && D % kLanes == 0;
+  // The chunk's value rows are read only after its scores and softmax: ask for them now, so that they arrive
+  // meanwhile (a decode step reads each layer's keys and values once, from memory: the weights streamed since
+  // have evicted them). SmolLM2's 3 KV heads over 400 keys, bf16, 2 threads, caches flushed between passes over
+  // 30 layers: 85.6-91.7 against 94.5-102.5 us a call, best of 15 in each of 4 alternations (AMD EPYC Zen 3).
+  {
+    const auto* v = reinterpret_cast<const char*>(seg.v + c0 * seg.stride_v);
+    const int64_t row = seg.stride_v * static_cast<int64_t>(sizeof(scalar_t)), bytes = D * sizeof(scalar_t);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(v + j * row + o);
+  }
   if (direct) {
     direct_scores(w, seg.k + c0 * seg.stride_k, seg.stride_k, n, a.scale);
   } else {
