@@ -216,6 +216,7 @@ def tree_sdpa_case(b: int, s: int, t: int, dtype: torch.dtype) -> Case:
 
 
 DIRECT_ROWS = "SPECDEC_ATTENTION_DIRECT_ROWS"
+DIRECT8_ROWS = "SPECDEC_ATTENTION_DIRECT8_ROWS"
 SPLIT_KEYS = "SPECDEC_ATTENTION_SPLIT_KEYS"
 
 
@@ -246,15 +247,20 @@ def _chain_attention(b: int, s: int, t: int, dtype: torch.dtype) -> Callable[[],
     return lambda: native(q, kv_k[:, :, :s], kv_v[:, :, :s], lens, kv_k[:, :, s:], kv_v[:, :, s:], mask)
 
 
-def tree_attention_paths_case(b: int, s: int, t: int, dtype: torch.dtype) -> Case:
-    """The CPU kernel's two paths on one input: tasks of up to 32 rows without key panels (the AVX-512 default,
-    ``SPECDEC_ATTENTION_DIRECT_ROWS=32``) against every task through them (``=0``).
+def tree_attention_paths_case(b: int, s: int, t: int, dtype: torch.dtype, lanes: int = 16) -> Case:
+    """One of the CPU kernel's direct paths on one input against every task through the key panels (both switches
+    0): tasks of up to 32 rows on the 16-lane paths (the AVX-512 default, ``SPECDEC_ATTENTION_DIRECT_ROWS=32``) or
+    on the 8-lane ones (the AVX2 default, ``SPECDEC_ATTENTION_DIRECT8_ROWS=32``), ``lanes``.
     ``b`` rows of ``s`` cached tokens and a causal chain of ``t`` (a batched decode step at ``t = 1``)."""
     attend = _chain_attention(b, s, t, dtype)
-    direct, panels = _with_switch(DIRECT_ROWS, "32", attend), _with_switch(DIRECT_ROWS, "0", attend)
+    on = (DIRECT_ROWS, DIRECT8_ROWS)[lanes == 8]
+    off = (DIRECT8_ROWS, DIRECT_ROWS)[lanes == 8]
+    direct = _with_switch(on, "32", _with_switch(off, "0", attend))
+    panels = _with_switch(DIRECT_ROWS, "0", _with_switch(DIRECT8_ROWS, "0", attend))
     torch.testing.assert_close(direct().float(), panels().float(), atol=2e-2, rtol=2e-2)
     name = str(dtype).replace("torch.", "")
-    return Case("tree_attention", f"B={b} S={s} T={t} {name}: direct", direct, panels, f"key panels ({DIRECT_ROWS}=0)")
+    return Case("tree_attention", f"B={b} S={s} T={t} {name}: direct, {lanes} lanes", direct, panels,
+                f"key panels ({DIRECT_ROWS}={DIRECT8_ROWS}=0)")
 
 
 def tree_attention_splits_case(s: int, dtype: torch.dtype) -> Case:
@@ -350,6 +356,9 @@ CASES: list[tuple[str, Callable[[], Case]]] = [
     *((f"tree_attention_paths-B{b}-T{t}-{name}", functools.partial(tree_attention_paths_case, b, s, t, dt))
       for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))
       for b, s, t in ((16, 400, 1), (16, 400, 2), (16, 400, 6), (1, 1024, 1), (1, 1024, 4), (1, 1024, 8))),
+    *((f"tree_attention_paths8-B{b}-S{s}-T{t}-{name}", functools.partial(tree_attention_paths_case, b, s, t, dt, 8))
+      for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+      for b, s, t in ((1, 200, 1), (1, 400, 1), (1, 1024, 1), (1, 400, 4), (16, 400, 1), (16, 400, 2))),
     *((f"tree_attention_splits-S{s}-{name}", functools.partial(tree_attention_splits_case, s, dt))
       for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)) for s in (400, 800, 1500, 3000)),
     *((f"tree_sdpa-B{b}-T{t}-{name}", functools.partial(tree_sdpa_case, b, s, t, dt))

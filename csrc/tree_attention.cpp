@@ -67,6 +67,9 @@ int64_t direct_row_limit() {
   if (env && *env) return std::atoll(env);
   return simd::best_isa() == simd::Isa::kAvx512 ? kDirectRows : 0;
 }
+// The same for the 8-lane direct paths: $SPECDEC_ATTENTION_DIRECT8_ROWS where set (0: off), else kDirect8Rows on
+// AVX2 without AVX-512 (where the 16-lane paths are the faster) and 0 elsewhere.
+int64_t direct8_row_limit();
 using panel::kPanel;
 using panel::v8;
 
@@ -215,6 +218,7 @@ struct Args {
   int64_t window;        // 0: none
   float scale;
   int64_t direct_rows;   // tasks of at most this many rows take the direct paths (0: never)
+  int64_t direct8_rows;  // ... the 8-lane direct paths, first (0: never)
   int64_t split_keys;    // key rows per split (0: none)
   int64_t splits;        // key ranges per (row, kv head, query block): enough for the longest row; 1: none
   float* part;           // splits > 1: [B * Hkv * blocks, splits, G * tb, 2 + D] running max, sum, accumulator
@@ -487,11 +491,168 @@ SPECDEC_INLINE void direct_pv(Task& w, const scalar_t* v, int64_t stride, int64_
   for (; d0 < w.D; d0 += kLanes) pv_rows<1>(w, v, stride, n, d0);
 }
 
+// ---- Few rows on AVX2 (M <= Args::direct8_rows): 8-lane direct paths ----
+// The panel path transposes every key into panels, reads each value row once per 32 dimensions and widens bf16 in
+// six instructions a vector: a decode step's 3 rows (SmolLM2) cost ~190 cycles a key and kv head on a Zen 3, 8x
+// their multiply-adds. Here 16 elements of a key or value row load as two 8-lane vectors in a fixed lane order
+// (bf16: the even then the odd elements, two instructions from one 32-byte load; fp16 and fp32: as stored); the
+// queries and the accumulator are held in the same order, and 4 keys' scores reduce together.
+constexpr int64_t kDirect8Rows = 32;  // as kDirectRows: a chain of up to 10 tokens of SmolLM2 (3 heads a kv head)
+typedef simd::Lanes<8>::i vi8;
+
+template <typename T>
+SPECDEC_INLINE void split16(const T* p, v8& a, v8& b) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    vi8 u;
+    std::memcpy(&u, p, sizeof(u));
+    a = (v8)(u << 16);  // lane i: element 2i (the low half of the 32 bits)
+    b = (v8)(u & static_cast<int32_t>(0xFFFF0000u));  // element 2i + 1
+  } else {
+    a = load8(p);
+    b = load8(p + 8);
+  }
+}
+
+// 16 fp32 values into (in) and out of (out) split16's lane order for T.
+template <typename T>
+SPECDEC_INLINE void order16(const float* p, v8& a, v8& b) {
+  const v8 x = load8(p), y = load8(p + 8);
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    a = __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14);
+    b = __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
+  } else {
+    a = x;
+    b = y;
+  }
+}
+template <typename T>
+SPECDEC_INLINE void unorder16(v8 a, v8 b, float* p) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    store8(p, __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11));
+    store8(p + 8, __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15));
+  } else {
+    store8(p, a);
+    store8(p + 8, b);
+  }
+}
+
+// Lane i of the result (i < 4) is the sum of a[(0, 2, 1, 3)[i]]'s lanes.
+SPECDEC_INLINE v8 sum4(v8 a0, v8 a1, v8 a2, v8 a3) {
+  const v8 x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+  const v8 y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+  const v8 z = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(z, z, 0, 2, 4, 6, 1, 3, 5, 7) + __builtin_shufflevector(z, z, 1, 3, 5, 7, 0, 2, 4, 6);
+}
+
+// S[r, j] = scale * q_r . k_j for the chunk's n keys and rows r0 .. r0 + MR (w.q in split16's order), 4 keys at a
+// time. A row's sums do not depend on the rows beside it (nor on MR): a one-token step rounds as that query in a chain.
+template <int MR, typename T>
+SPECDEC_INLINE void scores8(Task& w, int64_t r0, const T* k, int64_t stride, int64_t n, float scale) {
+  const int64_t D = w.D;
+  const float* q = w.q + r0 * D;
+  for (int64_t j0 = 0; j0 < n; j0 += 4) {
+    const T* key[4];
+    for (int i = 0; i < 4; ++i) key[i] = k + std::min<int64_t>(j0 + i, n - 1) * stride;  // past n: a repeat
+    v8 acc[MR][4] = {};
+    for (int64_t d = 0; d < D; d += 16) {
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        v8 ka, kb;
+        split16(key[i] + d, ka, kb);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) acc[m][i] += load8(q + m * D + d) * ka + load8(q + m * D + d + 8) * kb;
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const v8 s = sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]) * scale;
+      float* out = w.S + (r0 + m) * w.ld + j0;
+      const int64_t nk = std::min<int64_t>(4, n - j0);
+      out[0] = s[0];
+      if (nk > 1) out[1] = s[2];
+      if (nk > 2) out[2] = s[1];
+      if (nk > 3) out[3] = s[3];
+    }
+  }
+}
+
+// acc[r, d0 .. d0 + 16 NB) += sum_j P[r, j] v_j for rows r0 .. r0 + MR (the accumulator kept in split16's order
+// meanwhile).
+template <int MR, int NB, typename T>
+SPECDEC_INLINE void pv8_block(Task& w, int64_t r0, const T* v, int64_t stride, int64_t n, int64_t d0) {
+  float* const acc_rows = w.acc + r0 * w.Dp;
+  const float* const p_rows = w.S + r0 * w.ld;
+  v8 acc[MR][2 * NB];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int g = 0; g < NB; ++g) order16<T>(acc_rows + m * w.Dp + d0 + 16 * g, acc[m][2 * g], acc[m][2 * g + 1]);
+  for (int64_t j = 0; j < n; ++j) {
+    v8 va[2 * NB];
+#pragma GCC unroll 2
+    for (int g = 0; g < NB; ++g) split16(v + j * stride + d0 + 16 * g, va[2 * g], va[2 * g + 1]);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const v8 p = panel::broadcast8(p_rows + m * w.ld + j);
+#pragma GCC unroll 4
+      for (int c = 0; c < 2 * NB; ++c) acc[m][c] += p * va[c];
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int g = 0; g < NB; ++g) unorder16<T>(acc[m][2 * g], acc[m][2 * g + 1], acc_rows + m * w.Dp + d0 + 16 * g);
+}
+
+template <int MR, typename T>
+SPECDEC_INLINE void pv8(Task& w, int64_t r0, const T* v, int64_t stride, int64_t n) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= w.D; d0 += 32) pv8_block<MR, 2>(w, r0, v, stride, n, d0);
+  if (d0 < w.D) pv8_block<MR, 1>(w, r0, v, stride, n, d0);
+}
+
+// Rows in blocks of at most 4 (a block's keys or values are read once for its rows).
+template <typename T>
+SPECDEC_INLINE void direct8_scores(Task& w, const T* k, int64_t stride, int64_t n, float scale) {
+  for (int64_t r0 = 0; r0 < w.M; r0 += 4) {
+    switch (std::min<int64_t>(4, w.M - r0)) {
+      case 1: scores8<1>(w, r0, k, stride, n, scale); break;
+      case 2: scores8<2>(w, r0, k, stride, n, scale); break;
+      case 3: scores8<3>(w, r0, k, stride, n, scale); break;
+      default: scores8<4>(w, r0, k, stride, n, scale); break;
+    }
+  }
+}
+
+template <typename T>
+SPECDEC_INLINE void direct8_pv(Task& w, const T* v, int64_t stride, int64_t n) {
+  for (int64_t r0 = 0; r0 < w.M; r0 += 4) {
+    switch (std::min<int64_t>(4, w.M - r0)) {
+      case 1: pv8<1>(w, r0, v, stride, n); break;
+      case 2: pv8<2>(w, r0, v, stride, n); break;
+      case 3: pv8<3>(w, r0, v, stride, n); break;
+      default: pv8<4>(w, r0, v, stride, n); break;
+    }
+  }
+}
+
+SPECDEC_INLINE bool takes_direct8(const Args& a, int64_t M, int64_t D) { return M <= a.direct8_rows && D % 16 == 0; }
+
+int64_t direct8_row_limit() {
+  const char* env = std::getenv("SPECDEC_ATTENTION_DIRECT8_ROWS");
+  if (env && *env) return std::max<int64_t>(0, std::atoll(env));
+  return simd::best_isa() == simd::Isa::kAvx2 ? kDirect8Rows : 0;
+}
+
 // Keys at rows [c0, c0 + n) of a segment: scores, mask, online softmax, acc += P . V.
 template <typename scalar_t>
 SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, int64_t c0, int64_t n) {
   const int64_t M = w.M, D = w.D, Dp = w.Dp, ld = w.ld;
-  const bool direct = M <= a.direct_rows && D % kLanes == 0;
+  const bool direct8 = takes_direct8(a, M, D);
+  const bool direct = !direct8 && M <= a.direct_rows && D % kLanes == 0;
   // The chunk's value rows are read only after its scores and softmax: ask for them now, so that they arrive
   // meanwhile (a decode step reads each layer's keys and values once, from memory: the weights streamed since
   // have evicted them). SmolLM2's 3 KV heads over 400 keys, bf16, 2 threads, caches flushed between passes over
@@ -502,7 +663,9 @@ SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, 
     for (int64_t j = 0; j < n; ++j)
       for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(v + j * row + o);
   }
-  if (direct) {
+  if (direct8) {
+    direct8_scores(w, seg.k + c0 * seg.stride_k, seg.stride_k, n, a.scale);
+  } else if (direct) {
     direct_scores(w, seg.k + c0 * seg.stride_k, seg.stride_k, n, a.scale);
   } else {
     pack_keys(seg.k + c0 * seg.stride_k, seg.stride_k, n, D, w.kp);
@@ -513,6 +676,7 @@ SPECDEC_INLINE void chunk(Task& w, const Args& a, const Segment<scalar_t>& seg, 
   if (n_prefix < n) mask_tree(w, a, c0 + n_prefix - seg.split, n_prefix, n - n_prefix);
   softmax_chunk(w.S, M, n, ld, w.m, w.l, w.acc, D, Dp);
   const scalar_t* v = seg.v + c0 * seg.stride_v;
+  if (direct8) return direct8_pv(w, v, seg.stride_v, n);
   if (direct) return direct_pv(w, v, seg.stride_v, n);
   // Value rows are panels of 16 dims one row apart: read them in place when they need no widening,
   // or when one row block reads them once anyway.
@@ -544,6 +708,15 @@ SPECDEC_INLINE void attend_block(const Args& a, int64_t item) {
       float* dst = w.q + (g * tb + i) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
     }
+  if (takes_direct8(a, w.M, D)) {  // the queries in the order the 8-lane paths load keys in
+    for (int64_t r = 0; r < w.M; ++r)
+      for (int64_t d = 0; d < D; d += 16) {
+        v8 x, y;
+        order16<scalar_t>(w.q + r * D + d, x, y);
+        store8(w.q + r * D + d, x);
+        store8(w.q + r * D + d + 8, y);
+      }
+  }
 
   // Prefix keys [lo, L), lo the lowest position any query's window reaches.
   const int64_t L = a.lens[b];
@@ -762,6 +935,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache_
   a.window = window.value_or(0);
   a.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(D))));
   a.direct_rows = direct_row_limit();
+  a.direct8_rows = direct8_row_limit();
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, a.lens[b]);
   a.split_keys = split_keys(B * Hkv);

@@ -4,7 +4,7 @@ Modules read a switch through :func:`get`, which refuses an undeclared name, so 
 list (``tests/test_imports.py`` checks that no other module reads a ``SPECDEC_*`` variable itself). The one
 exceptions are :mod:`specdec.kernels`, which engines import with torch alone and which reads its two switches
 (``SPECDEC_BACKEND``, ``SPECDEC_REQUIRE_EXT``) directly, and the C++ extension (``SPECDEC_ATTENTION_DIRECT_ROWS``,
-``SPECDEC_ATTENTION_SPLIT_KEYS``, ``SPECDEC_AMX``);
+``SPECDEC_ATTENTION_DIRECT8_ROWS``, ``SPECDEC_ATTENTION_SPLIT_KEYS``, ``SPECDEC_AMX``);
 they are declared here all the same.
 This module imports nothing but the standard library.
 """
@@ -35,6 +35,10 @@ SWITCHES: dict[str, str] = {
     "SPECDEC_ATTENTION_DIRECT_ROWS": "the row limit (query heads x queries) up to which the C++ tree-attention "
                                      "kernel skips its key panels, on any CPU; 0 forces the panels (default: 32 "
                                      "with AVX-512, else 0; read by csrc/tree_attention.cpp at each call)",
+    "SPECDEC_ATTENTION_DIRECT8_ROWS": "the row limit up to which the C++ tree-attention kernel takes its 8-lane "
+                                      "direct paths (before the 16-lane ones and the key panels), on any CPU; 0: "
+                                      "never (default: 32 on AVX2 without AVX-512, else 0; read by "
+                                      "csrc/tree_attention.cpp at each call)",
     "SPECDEC_ATTENTION_SPLIT_KEYS": "key rows per split of the C++ tree-attention kernel (cut at fixed rows, run as "
                                     "tasks of their own, merged afterwards), rounded up to 256, in every call; 0 "
                                     "or less: no splits (default: 512 in calls of at most 3 (row, kv head) pairs, "

@@ -319,7 +319,7 @@ def test_tree_attention_native_edge_cases(dtype, b, hkv, group, d, t, s, lens, k
 
 
 @needs_tree_ops
-@pytest.mark.parametrize("direct_rows", ["0", "32", "1000"])
+@pytest.mark.parametrize("direct_rows,direct8_rows", [("0", "0"), ("32", "0"), ("1000", "0"), ("0", "32"), ("0", "1000")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "b,hkv,group,d,t,s,lens,kind,window",
@@ -331,12 +331,14 @@ def test_tree_attention_native_edge_cases(dtype, b, hkv, group, d, t, s, lens, k
         (1, 1, 2, 16, 70, 33, [33], "chain", 40),  # long chain, tree keys across a chunk's 16-key blocks
     ],
 )
-def test_tree_attention_native_direct_and_panel_paths(monkeypatch, direct_rows, dtype, b, hkv, group, d, t, s, lens,
-                                                      kind, window):
-    """Both CPU paths of the kernel against the reference: with ``SPECDEC_ATTENTION_DIRECT_ROWS`` 0 every
-    task goes through the key panels; with 32 (the AVX-512 default) and 1000, tasks of up to that many rows
-    skip them. An explicit setting applies on any CPU, so both paths run here whatever the instruction set."""
+def test_tree_attention_native_direct_and_panel_paths(monkeypatch, direct_rows, direct8_rows, dtype, b, hkv, group, d,
+                                                      t, s, lens, kind, window):
+    """The three CPU paths of the kernel against the reference: with ``SPECDEC_ATTENTION_DIRECT_ROWS`` and
+    ``SPECDEC_ATTENTION_DIRECT8_ROWS`` 0 every task goes through the key panels; with 32 (the AVX-512 default of the
+    first, the AVX2 default of the second) and 1000, tasks of up to that many rows take the 16-lane or the 8-lane
+    direct paths. An explicit setting applies on any CPU, so every path runs here whatever the instruction set."""
     monkeypatch.setenv("SPECDEC_ATTENTION_DIRECT_ROWS", direct_rows)
+    monkeypatch.setenv("SPECDEC_ATTENTION_DIRECT8_ROWS", direct8_rows)
     assert_tree_attention_close(b, hkv, group, d, t, s, lens, kind, dtype, seed=11, window=window)
 
 
