@@ -15,7 +15,11 @@
 // a BLAS call spends more in dispatch and packing than in FMAs, and on CPUs without bf16 matrix
 // units MKL's bf16 GEMM is a slow emulation. Each chunk's keys are transposed once into fp32 panels
 // of 16 keys, and values are read in place (fp32, or one row block) or widened once into panels.
-// On AVX-512, tasks of few rows (decode steps, small trees) skip the panels: see "Few rows" below.
+// Tasks of few rows (decode steps, small trees) skip the panels: on AVX-512 through 16-lane paths ("Few rows"
+// below), on AVX2 through 8-lane ones ("Few rows on AVX2"). The path is chosen per task by its row count, so a
+// query rounds alike in every call whose task holding it takes the same path: up to 32 rows (a chain of up to 10
+// tokens of SmolLM2's 3 query heads a kv head), whatever else the call holds; past that, the split of the queries
+// into tasks (which depends on the thread count) can move it between the paths.
 // Every product accumulates in fp32, probabilities included.
 //
 // Key splits (flash-decoding): a decode step has few tasks (one row, one query: one per kv head, 3 for
@@ -24,7 +28,7 @@
 // run as tasks of their own; each leaves its running max, sum and unnormalized accumulator, and a merge
 // pass combines them in order (the log-sum-exp merge as between chunks). The cuts depend on the batch
 // and the key rows only, never on the thread count or the number of queries: a one-token step rounds as
-// the same query inside a verified chain of the same batch. Wider batches already give every thread
+// the same query inside a verified chain of the same batch (whose tasks take the same path, above). Wider batches already give every thread
 // work, and there the merge costs more than it balances (5-11%, 4-16 rows, Xeon, two threads).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -497,7 +501,10 @@ SPECDEC_INLINE void direct_pv(Task& w, const scalar_t* v, int64_t stride, int64_
 // their multiply-adds. Here 16 elements of a key or value row load as two 8-lane vectors in a fixed lane order
 // (bf16: the even then the odd elements, two instructions from one 32-byte load; fp16 and fp32: as stored); the
 // queries and the accumulator are held in the same order, and 4 keys' scores reduce together.
-constexpr int64_t kDirect8Rows = 32;  // as kDirectRows: a chain of up to 10 tokens of SmolLM2 (3 heads a kv head)
+// Up to the AVX-512 paths' limit (kDirectRows), so that chains of up to 10 tokens of SmolLM2 round as its one-token
+// steps. Not swept on AVX2: bench.kernels measured 1.14-1.52x over the panels at 3 rows (one token) and 1.02-1.11x
+// at 6-12 (chains of 2 and 4, where the 4-row blocks spill and re-read the chunk).
+constexpr int64_t kDirect8Rows = 32;
 typedef simd::Lanes<8>::i vi8;
 
 template <typename T>
@@ -548,7 +555,8 @@ SPECDEC_INLINE v8 sum4(v8 a0, v8 a1, v8 a2, v8 a3) {
 }
 
 // S[r, j] = scale * q_r . k_j for the chunk's n keys and rows r0 .. r0 + MR (w.q in split16's order), 4 keys at a
-// time. A row's sums do not depend on the rows beside it (nor on MR): a one-token step rounds as that query in a chain.
+// time. A row's sums do not depend on the rows beside it (nor on MR): a one-token step rounds as that query in a chain
+// whose tasks take these paths too (up to direct8_rows rows).
 template <int MR, typename T>
 SPECDEC_INLINE void scores8(Task& w, int64_t r0, const T* k, int64_t stride, int64_t n, float scale) {
   const int64_t D = w.D;

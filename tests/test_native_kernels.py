@@ -329,6 +329,8 @@ def test_tree_attention_native_edge_cases(dtype, b, hkv, group, d, t, s, lens, k
         (1, 3, 3, 64, 6, 270, [270], "random", None),  # a small tree (M = 18)
         (2, 2, 8, 48, 9, 30, [30, 5], "bushy", None),  # D = 48 (three 16-lane steps), M up to 72
         (1, 1, 2, 16, 70, 33, [33], "chain", 40),  # long chain, tree keys across a chunk's 16-key blocks
+        (1, 2, 1, 32, 5, 50, [50], "chain", None),  # M = 5: the 8-lane paths' one-row block after a 4-row one
+        (1, 3, 3, 64, 1, 1100, [1100], None, None),  # a decode step whose keys are cut into 3 splits, then merged
     ],
 )
 def test_tree_attention_native_direct_and_panel_paths(monkeypatch, direct_rows, direct8_rows, dtype, b, hkv, group, d,
