@@ -27,6 +27,7 @@ from specdec.kernels import has_native
 from specdec.kernels.quant import TILE_ROWS, QuantWeight, pack_quant_weight, quant_linear
 from specdec.linear import (AMX_PACKED_MAX_ROWS, WIDEN_MIN_ROWS, SkinnyLinear, cpu_has_matrix_tiles, cpu_widens_prompts,
                             widened_linear)
+from specdec.precompile import ReportsFlags
 
 WEIGHTS = ("auto", "gguf", "dense")
 
@@ -73,7 +74,7 @@ def default_tile_rows(linear: nn.Module, dtype: torch.dtype) -> int:
     return TILE_ROWS if _dense_path_is_tile_gemm(linear, dtype) and _tiles_switched_on() else 0
 
 
-class QuantLinear(SkinnyLinear):
+class QuantLinear(ReportsFlags, SkinnyLinear):
     """A linear layer whose products run over a GGUF's quantized blocks (:func:`specdec.kernels.quant.quant_linear`).
 
     CPU products of up to ``quant_max_rows`` rows (decode and verification) stream the packed blocks; larger
@@ -103,7 +104,7 @@ class QuantLinear(SkinnyLinear):
         new.qweight = qweight
         new.quant_max_rows = max_rows
         new.tile_rows = tile_rows
-        new.dense = False  # on the instance, as dense_weights() sets it (a compiled runner polls it before each call)
+        new.dense = False  # on the instance, as dense_weights() sets it (a compiled runner checks it before each call)
         new.native = has_native("quant_linear")  # loads specdec._C, which registers torch.ops.specdec.quant_*
         new.widen_prompts = widen_prompts and cpu_widens_prompts(linear.weight.dtype)
         return new

@@ -276,6 +276,43 @@ def test_a_compiled_runner_under_dense_weights_runs_the_dense_weights(tmp_path, 
     assert late._compiled.captured == 0 and not late._compiled._entries
 
 
+def test_reported_flags_are_seen_without_reading_them():
+    """QuantLinear reports its ``dense`` flag (ReportsFlags): the runner reads no flag of such a module before a call
+    while none is set, and sees one set directly, on a deep copy, or where the write bypassed the report."""
+    from specdec.gguf_weights import QuantLinear
+    from specdec.kernels import has_native
+    from tests.test_gguf_weights import quantized
+
+    if not has_native("quant_linear"):
+        pytest.skip("needs the compiled extension")
+    model, _ = quantized("llama")
+    forward = precompile.PrecompiledForward(model, {})
+    forward._polled, forward._reported = precompile._polled(model)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert layers and set(map(id, forward._reported)) == set(map(id, layers))
+    assert all(not isinstance(m, QuantLinear) for m, _ in forward._polled)
+    assert not forward._flags_on()
+    layers[3].dense = True
+    assert forward._flags_on()
+    layers[3].dense = False
+    assert not forward._flags_on()
+
+    layers[1].dense = True
+    twin = copy.deepcopy(model)  # nn.Module.__setstate__ fills __dict__ without __setattr__
+    layers[1].dense = False
+    other = precompile.PrecompiledForward(twin, {})
+    other._polled, other._reported = precompile._polled(twin)
+    assert other._flags_on() and not forward._flags_on()
+
+    object.__setattr__(layers[2], "dense", True)  # unreported until the runner lists the model's flags again
+    forward._polled, forward._reported = precompile._polled(model)
+    try:
+        assert forward._flags_on()
+    finally:
+        layers[2].dense = False
+    assert not forward._flags_on()
+
+
 def test_a_graph_traced_on_a_hooked_model_waits_for_the_hooks_of_the_loading_model(tmp_path, monkeypatch):
     """transformers marks a model the first time a forward asks for hidden states; a graph traced after that reads
     the mark. A model without it yet (a plain draft's target) leaves such a saved graph on disk, unwarned and unread
