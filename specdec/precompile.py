@@ -32,6 +32,7 @@ import os
 import pickle
 import re
 import time
+import threading
 import uuid
 import warnings
 import weakref
@@ -177,19 +178,31 @@ RUNTIME_FLAGS = frozenset({"training"})
 # layer, 211 on SmolLM2, with their accessors half of the guard tree a graph checks before every call; polled, the
 # flags cost one Python read each, or none where the module reports them (ReportsFlags).
 POLLED_FLAGS = frozenset({"dense"})
-# Modules of ReportsFlags classes with a polled flag set. Where it is empty, such modules need no read before a call:
-# read one by one after a step (the weights streamed through the cache evict the modules' dicts), SmolLM2's 211 flags
-# took 171-197 us a call against 14-16 us this way, on a 2-core Zen 3 with 8.6-13 ms steps.
+_SUBMODULE_ATTR = re.compile(r"^self((?:\._modules\['[^']+'\])+)\.([A-Za-z]\w*)(?:\.([A-Za-z]\w*))?$")
+_SUBMODULE_PARAM = re.compile(r"^self((?:\._modules\['[^']+'\])+)\._parameters\['([^']+)'\]$")
+
+
+# Modules of ReportsFlags classes with a polled flag set. While none of a model's is, a call reads none of its flags:
+# read one by one after a step (the weights streamed through the cache evict the modules' dicts), SmolLM2's 211 took
+# 171-197 us before each call, against 14-16 us for the whole _flags_on now (2-core Zen 3, 8.6-13 ms steps).
 _FLAGGED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_FLAGGED_LOCK = threading.Lock()  # a flag's read and its entry change together (dense_weights() in another thread)
 
 
 class ReportsFlags:
-    """Mixin for a module class whose :data:`POLLED_FLAGS` are plain instance attributes: every write of one (and an
-    unpickled or deep-copied instance) is noted in :data:`_FLAGGED`, so :class:`PrecompiledForward` reads them only
-    while some module has one set."""
+    """Mixin for a module class whose :data:`POLLED_FLAGS` are plain instance attributes: every write or deletion of
+    one, and an unpickled or deep-copied instance, is noted in :data:`_FLAGGED`, so :class:`PrecompiledForward`
+    checks the model's modules against that set instead of reading each flag. A write that bypasses
+    ``__setattr__`` (``object.__setattr__``, ``vars(m)[...] = ...``) is seen only when the runner lists the model's
+    flags again (:meth:`PrecompiledForward.check_model` after a change, or a load)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
+        if name in POLLED_FLAGS:
+            _note_flags(self)
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
         if name in POLLED_FLAGS:
             _note_flags(self)
 
@@ -199,12 +212,13 @@ class ReportsFlags:
 
 
 def _note_flags(module: nn.Module) -> None:
-    if any(vars(module).get(flag) for flag in POLLED_FLAGS):
-        _FLAGGED.add(module)
-    else:
-        _FLAGGED.discard(module)
-_SUBMODULE_ATTR = re.compile(r"^self((?:\._modules\['[^']+'\])+)\.([A-Za-z]\w*)(?:\.([A-Za-z]\w*))?$")
-_SUBMODULE_PARAM = re.compile(r"^self((?:\._modules\['[^']+'\])+)\._parameters\['([^']+)'\]$")
+    """Put ``module`` in :data:`_FLAGGED` if any of its :data:`POLLED_FLAGS` is set, else take it out. Every write is
+    followed by its own note, each reading the flags under the lock, so the last note sees the last write."""
+    with _FLAGGED_LOCK:
+        if any(vars(module).get(flag) for flag in POLLED_FLAGS):
+            _FLAGGED.add(module)
+        else:
+            _FLAGGED.discard(module)
 
 
 def _pinned(model: nn.Module, name: str) -> bool:
@@ -253,14 +267,15 @@ def _is_flag(module: nn.Module, name: str) -> bool:
     return isinstance(getattr(module, name, None), bool)
 
 
-def _polled(model: nn.Module) -> tuple[list[tuple[nn.Module, str]], tuple[nn.Module, ...]]:
+def _polled(model: nn.Module) -> tuple[list[tuple[nn.Module, str]], frozenset]:
     """Every (submodule, flag) of :data:`POLLED_FLAGS` that ``model`` has and that must be read before a call, and
-    the submodules whose flags :class:`ReportsFlags` tracks instead."""
+    weak references to the submodules whose flags :class:`ReportsFlags` tracks instead (their hashes are the
+    modules': :data:`_FLAGGED`'s own entries compare with them in C)."""
     flagged = [(m, f) for m in model.modules() for f in POLLED_FLAGS if _is_flag(m, f)]
     reported = {id(m): m for m, f in flagged if isinstance(m, ReportsFlags) and f in vars(m)}
     for m in reported.values():  # a flag set where the module could not report it (object.__setattr__)
         _note_flags(m)
-    return [(m, f) for m, f in flagged if id(m) not in reported], tuple(reported.values())
+    return [(m, f) for m, f in flagged if id(m) not in reported], frozenset(map(weakref.ref, reported.values()))
 
 
 def _external_data(model: nn.Module) -> dict[str, object]:
@@ -321,7 +336,7 @@ class PrecompiledForward:
         self._fingerprint: str | None = None
         self._seen_state: tuple | None = None
         self._polled: list[tuple[nn.Module, str]] = []
-        self._reported: tuple[nn.Module, ...] = ()
+        self._reported: frozenset = frozenset()  # weak references to the modules that report their flags
 
     def __deepcopy__(self, memo: dict) -> "PrecompiledForward":
         """A copy over the copied model, loading its graphs afresh (loaded graphs hold guard managers, which
@@ -434,7 +449,7 @@ class PrecompiledForward:
     def _flags_on(self) -> bool:
         """Whether any :data:`POLLED_FLAGS` flag of the model is set: one Python read a flag, none for the modules
         that report theirs (:class:`ReportsFlags`) while none of any model is set."""
-        if _FLAGGED and self._reported and not _FLAGGED.isdisjoint(self._reported):
+        if _FLAGGED and not _FLAGGED.data.isdisjoint(self._reported):
             return True
         return any(getattr(m, flag) for m, flag in self._polled)
 

@@ -289,7 +289,7 @@ def test_reported_flags_are_seen_without_reading_them():
     forward = precompile.PrecompiledForward(model, {})
     forward._polled, forward._reported = precompile._polled(model)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert layers and set(map(id, forward._reported)) == set(map(id, layers))
+    assert layers and {id(r()) for r in forward._reported} == set(map(id, layers))
     assert all(not isinstance(m, QuantLinear) for m, _ in forward._polled)
     assert not forward._flags_on()
     layers[3].dense = True
@@ -300,6 +300,8 @@ def test_reported_flags_are_seen_without_reading_them():
     layers[1].dense = True
     twin = copy.deepcopy(model)  # nn.Module.__setstate__ fills __dict__ without __setattr__
     layers[1].dense = False
+    twin_layer = [m for m in twin.modules() if isinstance(m, QuantLinear)][1]
+    assert twin_layer in precompile._FLAGGED  # noted on the copy itself
     other = precompile.PrecompiledForward(twin, {})
     other._polled, other._reported = precompile._polled(twin)
     assert other._flags_on() and not forward._flags_on()
@@ -311,6 +313,12 @@ def test_reported_flags_are_seen_without_reading_them():
     finally:
         layers[2].dense = False
     assert not forward._flags_on()
+    layers[2].dense = True
+    del layers[2].dense  # a deleted flag is noted too (the class has none: the module reads as unset)
+    assert layers[2] not in precompile._FLAGGED and not forward._flags_on()
+    layers[2].dense = False
+    twin_layer.dense = False
+    assert not other._flags_on() and twin_layer not in precompile._FLAGGED
 
 
 def test_a_graph_traced_on_a_hooked_model_waits_for_the_hooks_of_the_loading_model(tmp_path, monkeypatch):
