@@ -209,7 +209,9 @@ def test_worker_death_mid_generation_is_a_clear_error_and_leaves_no_zombie():
     pid = worker.pid
     killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
     killer.start()
-    with pytest.raises(DraftWorkerError, match="died"):
+    # The kill lands inside a round ("died") or, on a slow or loaded machine, between two requests, where the next
+    # send finds the worker gone ("is not running"): both are the clear error this test asks for.
+    with pytest.raises(DraftWorkerError, match="died|is not running"):
         for _ in range(200):  # long enough that the kill lands mid-generation
             dec.generate_ids([prompt_of(40, seed=2)], "pearl", 400, GREEDY, govern=0)  # every round asks the worker
     killer.join()
